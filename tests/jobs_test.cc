@@ -739,6 +739,36 @@ TEST_F(JobsTest, AJobThatSpendsItsRestartsFailsListingEveryAttempt) {
   EXPECT_TRUE(absl::StrContains(failed->reason(), "; attempt 2: ")) << failed->reason();
 }
 
+// A rank's own error is the job's reason, not a peer's consequence of it.
+// Rank 0 of a dp=2 job finds its updated weights not finite as it saves
+// (FAILED_PRECONDITION: no restart mends it), while rank 1, which owns no
+// parameter, waits for it at the save's first barrier. Rank 0 reports
+// before its connections close; rank 1's "connection closed by peer"
+// (UNAVAILABLE, which restarts a job) would otherwise often be heard first.
+TEST_F(JobsTest, ARanksOwnErrorIsTheJobsReasonNotItsPeersConsequence) {
+  train::TrainOptions o = Options(3);
+  o.shard.layout.set_tensor_parallel_size(1);
+  o.lr = 1e39;  // the first update overflows every weight it moves
+  o.min_lr = 0;
+  o.warmup_steps = 0;
+  o.clip_norm = 0;
+  v1::JobSpec spec = Spec(o);
+  spec.mutable_restart()->set_max_restarts(2);
+  spec.mutable_train()->set_checkpoint_every(1);
+  spec.mutable_train()->set_checkpoint_dir(TempPath("ck-diverged"));
+  auto job = client_->SubmitJob(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  Watch(job->job_id());
+  auto failed = client_->GetJob(job->job_id());
+  ASSERT_TRUE(failed.ok()) << failed.status();
+  EXPECT_EQ(failed->state(), v1::JOB_STATE_FAILED) << failed->reason() << Logs();
+  EXPECT_EQ(failed->restarts(), 0) << failed->reason();
+  EXPECT_TRUE(absl::StartsWith(failed->reason(), "rank 0 ")) << failed->reason();
+  EXPECT_TRUE(absl::StrContains(failed->reason(), "FAILED_PRECONDITION: the weights are not finite (parameter "))
+      << failed->reason();
+  EXPECT_TRUE(absl::StrContains(failed->reason(), "(not restarted: an error of the job itself)")) << failed->reason();
+}
+
 // Hang blame: a 1 s hang threshold and a 5 s lease, so that a stopped rank
 // is named while its job still runs.
 class JobsHangTest : public JobsTest {

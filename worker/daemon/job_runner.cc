@@ -4,6 +4,7 @@
 
 #include <exception>
 #include <filesystem>
+#include <memory>
 #include <new>
 #include <system_error>
 #include <utility>
@@ -14,8 +15,8 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/time/clock.h"
 #include "common/atomic_file.h"
@@ -28,10 +29,10 @@
 #include "kernels/device.h"
 #include "spec/job_validation.h"
 #include "spec/mesh.h"
+#include "spec/model_config.h"
 #include "worker/colo/rank_group.h"
 #include "worker/comm/coordinator_store.h"
 #include "worker/comm/instrumented_communicator.h"
-#include "spec/model_config.h"
 #include "worker/shardformer/run_forward.h"
 #include "worker/tensor/npy.h"
 #include "worker/train/job_options.h"
@@ -352,9 +353,32 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
     // (no thread or memory to be had); the rank fails, the worker lives on.
     s = absl::InternalError(absl::StrCat("the rank threw: ", e.what()));
   }
-  // Every communicator is gone with RunRank's process group: the rank's
-  // series end here, before the coordinator hears of the end.
-  active->metrics.reset();
+  // The rank's process group (its communicators, whose observers feed the
+  // rank's series) ends, then its series. A rank that succeeded ends them
+  // before the coordinator hears of its end, so that the job's end finds
+  // them gone. One that failed ends them after: its peers, waiting on its
+  // connections, would otherwise fail at once ("connection closed by
+  // peer") and might be heard first, their consequence taken for its cause,
+  // whose code decides whether the job restarts and which rank the job's
+  // reason names.
+  const bool succeeded = s.ok();
+  const auto end_rank = [&active, succeeded] {
+    std::shared_ptr<ProcessGroup> pg;
+    {
+      absl::MutexLock lock(&active->mu);
+      pg = std::move(active->pg);
+    }
+    // A failed rank's communicators are aborted together, not finished
+    // one by one as the group is destroyed: work of one may wait for work
+    // of another that its lost peers never complete.
+    if (pg != nullptr && !succeeded) pg->Abort(absl::AbortedError("the rank ended"));
+    std::weak_ptr<ProcessGroup> gone = pg;
+    pg.reset();
+    // Stop may hold it a moment longer (its abort never waits).
+    while (!gone.expired()) absl::SleepFor(absl::Milliseconds(1));
+    active->metrics.reset();
+  };
+  if (succeeded) end_rank();
   if (active->stop && !IsDrained(s)) {  // a drained rank saved its checkpoint and ended on its own
     std::string reason;
     {
@@ -378,6 +402,7 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
     }
   }
   active->reporter.End(s, active->forward, /*worker_leaving=*/active->drain.load());
+  if (!succeeded) end_rank();
   if (s.ok()) {
     COLOD_LOG(INFO) << "job " << req.job_id() << ": rank " << req.rank() << " finished";
   } else {
@@ -472,17 +497,12 @@ absl::Status JobRunner::RunRank(Active& active) {
   };
   ASSIGN_OR_RETURN(std::shared_ptr<ProcessGroup> pg, CreateRankGroup(mesh, req.rank(), &store, std::move(group)));
   {
+    // Kept there past this call: Run ends it (after the coordinator heard
+    // of a failure).
     absl::MutexLock lock(&active.mu);
     active.pg = pg;
   }
   if (active.stop) pg->Abort(absl::AbortedError("the job no longer runs"));  // stopped before the group existed
-  struct Detach {
-    Active& active;
-    ~Detach() {
-      absl::MutexLock lock(&active.mu);
-      active.pg = nullptr;
-    }
-  } detach{active};
   if (shard.device.is_cuda()) RETURN_IF_ERROR(pg->InitAxes());
   if (req.spec().kind() == v1::JOB_KIND_FORWARD) return RunForward(active, *pg, shard, dir + "/model");
   if (!training) return ServeTensors(active, *pg);

@@ -134,7 +134,9 @@ class JobRunner {
     std::atomic<bool> stop{false};
     std::atomic<bool> drain{false};  // Drain: this worker shuts down
     absl::Mutex mu;
-    // Shared with Stop, which aborts it outside every lock.
+    // The rank's process group, from its making to the rank's end (Run ends
+    // it after the coordinator heard of a failure). Shared with Stop, which
+    // aborts it outside every lock.
     std::shared_ptr<ProcessGroup> pg ABSL_GUARDED_BY(mu);
     std::shared_ptr<TensorHost> tensors ABSL_GUARDED_BY(mu);  // TENSOR jobs, once connected
     std::optional<v1::ForwardResult> forward;  // FORWARD jobs' rank 0, set by the rank's thread
