@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/time/clock.h"
 #include "common/exit_codes.h"
@@ -77,6 +78,29 @@ TEST_F(ExitOnUncaughtExceptionsTest, TerminateWithoutAnExceptionSaysSo) {
         std::terminate();
       },
       AskedForARestart, "colod-test ends on thread [0-9]+ .*std::terminate was called with no exception in flight");
+}
+
+// Exceptions escaping on several threads at once end the process with one
+// line, the first's: the others wait for its exit.
+TEST_F(ExitOnUncaughtExceptionsTest, ExceptionsOnSeveralThreadsAtOnceWriteOneLine) {
+  EXPECT_EXIT(
+      {
+        ExitOnUncaughtExceptions("colod-test");
+        constexpr int kThreads = 8;
+        std::atomic<int> ready{0};
+        std::vector<std::thread> threads;
+        for (int i = 0; i < kThreads; ++i) {
+          threads.emplace_back([&ready] {
+            ++ready;
+            while (ready.load() < kThreads) std::this_thread::yield();
+            throw std::runtime_error("at once");
+          });
+        }
+        for (std::thread& t : threads) t.join();
+      },
+      AskedForARestart,
+      // The whole of stderr: one line (POSIX regex: ^ and $ are its ends).
+      "^[^\n]*colod-test ends on thread [0-9]+ [^\n]*\"at once\"; exiting 71 [^\n]*\n$");
 }
 
 TEST(ExitCodes, OnlyADeviceLostAndAnUncaughtExceptionAskForARestart) {
