@@ -41,6 +41,10 @@
 namespace colod {
 namespace {
 
+// How long an assignment waits for the teardown of a rank whose end was
+// reported (well within the coordinator's call's deadline).
+constexpr absl::Duration kEndedRankTeardownWait = absl::Seconds(3);
+
 // What a rank ends with where a report's answer said the job no longer
 // runs: the coordinator's reason where it gave one.
 absl::Status NoLongerRuns(const ProgressReporter& reporter) {
@@ -203,6 +207,14 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
   // be a new one (the same assignment again is its running rank's).
   const absl::Status room = req.spec().kind() != v1::JOB_KIND_TENSOR ? CheckWorkDirRoom() : absl::OkStatus();
   absl::MutexLock lock(&mu_);
+  if (active_ && active_->end_reported) {
+    // The coordinator heard of its end and may place the next rank here at
+    // once: the rank's teardown (its communicators, a failed rank's after
+    // its report) is waited for, not refused (a refusal would make the
+    // coordinator pass this worker over for its cool-off).
+    const auto torn_down = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return active_ == nullptr; };
+    mu_.AwaitWithTimeout(absl::Condition(&torn_down), kEndedRankTeardownWait);
+  }
   if (!closed_.empty()) return absl::UnavailableError(absl::StrCat("this worker takes no rank: ", closed_));
   if (!device_lost_.ok()) {
     return absl::FailedPreconditionError(
@@ -361,21 +373,26 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
   // peer") and might be heard first, their consequence taken for its cause,
   // whose code decides whether the job restarts and which rank the job's
   // reason names.
-  const bool succeeded = s.ok();
+  // A drained rank ended on its own, as its peers do: it ends as one that
+  // succeeded (its peers may still be in the drain's last barrier).
+  const bool succeeded = s.ok() || IsDrained(s);
   const auto end_rank = [&active, succeeded] {
     std::shared_ptr<ProcessGroup> pg;
     {
       absl::MutexLock lock(&active->mu);
       pg = std::move(active->pg);
     }
-    // A failed rank's communicators are aborted together, not finished
-    // one by one as the group is destroyed: work of one may wait for work
-    // of another that its lost peers never complete.
-    if (pg != nullptr && !succeeded) pg->Abort(absl::AbortedError("the rank ended"));
-    std::weak_ptr<ProcessGroup> gone = pg;
-    pg.reset();
-    // Stop may hold it a moment longer (its abort never waits).
-    while (!gone.expired()) absl::SleepFor(absl::Milliseconds(1));
+    if (pg != nullptr) {
+      // A failed rank's communicators are aborted together, not finished
+      // one by one as the group is destroyed: work of one may wait for work
+      // of another that its lost peers never complete.
+      if (!succeeded) pg->Abort(absl::AbortedError("the rank ended"));
+      // Destroyed here, before the series its communicators feed: Stop may
+      // hold a copy a moment longer (its abort never waits), and none can
+      // be taken now.
+      while (pg.use_count() > 1) absl::SleepFor(absl::Milliseconds(1));
+      pg.reset();
+    }
     active->metrics.reset();
   };
   if (succeeded) end_rank();
@@ -402,6 +419,7 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
     }
   }
   active->reporter.End(s, active->forward, /*worker_leaving=*/active->drain.load());
+  active->end_reported = true;
   if (!succeeded) end_rank();
   if (s.ok()) {
     COLOD_LOG(INFO) << "job " << req.job_id() << ": rank " << req.rank() << " finished";
@@ -481,8 +499,8 @@ absl::Status JobRunner::RunRank(Active& active) {
   if (reporter.Phase(v1::RANK_PHASE_RENDEZVOUS, "connecting to the other ranks")) {
     return NoLongerRuns(reporter);
   }
-  CoordinatorStore store(options_.coordinator, req.rendezvous_scope(), options_.rpc_timeout, options_.auth_token,
-                         options_.worker_key);
+  active.store = std::make_unique<CoordinatorStore>(options_.coordinator, req.rendezvous_scope(), options_.rpc_timeout,
+                                                    options_.auth_token, options_.worker_key);
   // Outlives `pg` (Run ends it after this returns), so its observers outlive the communicators.
   WorkerMetrics::Rank* metrics = active.metrics.get();
   RankGroupOptions group;
@@ -495,7 +513,8 @@ absl::Status JobRunner::RunRank(Active& active) {
     return std::unique_ptr<Communicator>(new InstrumentedCommunicator(
         std::move(c), metrics != nullptr ? metrics->CollectiveObserver(g.axis) : nullptr, recorder, g.prefix));
   };
-  ASSIGN_OR_RETURN(std::shared_ptr<ProcessGroup> pg, CreateRankGroup(mesh, req.rank(), &store, std::move(group)));
+  ASSIGN_OR_RETURN(std::shared_ptr<ProcessGroup> pg,
+                   CreateRankGroup(mesh, req.rank(), active.store.get(), std::move(group)));
   {
     // Kept there past this call: Run ends it (after the coordinator heard
     // of a failure).

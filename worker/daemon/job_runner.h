@@ -23,6 +23,7 @@
 #include "common/auth.h"
 #include "worker/colo/process_group.h"
 #include "worker/comm/flight_recorder.h"
+#include "worker/comm/store.h"
 #include "worker/daemon/model_cache.h"
 #include "worker/daemon/path_policy.h"
 #include "worker/daemon/progress_reporter.h"
@@ -134,10 +135,17 @@ class JobRunner {
     std::atomic<bool> stop{false};
     std::atomic<bool> drain{false};  // Drain: this worker shuts down
     absl::Mutex mu;
+    // The rendezvous store the rank's process group was made over: kept
+    // here, since it must outlive the group (used by the rank's thread only).
+    std::unique_ptr<Store> store;
     // The rank's process group, from its making to the rank's end (Run ends
     // it after the coordinator heard of a failure). Shared with Stop, which
     // aborts it outside every lock.
     std::shared_ptr<ProcessGroup> pg ABSL_GUARDED_BY(mu);
+    // Set once the coordinator was told of the rank's end: the rank only
+    // tears down, and Assign waits for that (briefly) rather than refuse
+    // the rank the coordinator may place here at once.
+    std::atomic<bool> end_reported{false};
     std::shared_ptr<TensorHost> tensors ABSL_GUARDED_BY(mu);  // TENSOR jobs, once connected
     std::optional<v1::ForwardResult> forward;  // FORWARD jobs' rank 0, set by the rank's thread
     // The rank's metrics while it runs (null without Options::metrics);

@@ -412,12 +412,12 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
   // created: a rank failing later removes the directory (below), and a
   // peer's write into it would fail too, perhaps first, and be the error
   // reported in place of this cause.
+  // An aborted rank (given up on, perhaps: another job may own the
+  // directory now) starts no save and removes nothing.
+  RETURN_IF_ERROR(pg->Aborted());
   ASSIGN_OR_RETURN(shardformer::RankParts parts, shardformer::TakeRankParts(chunks));
   std::error_code ec;
   if (rank == 0) {
-    // An aborted rank (given up on, perhaps: another job may own the
-    // directory now) starts no save and removes nothing.
-    RETURN_IF_ERROR(pg->Aborted());
     // Crashed or abandoned attempts, this one's included, before this
     // checkpoint takes room of its own.
     RemoveStaleTmpDirs(dir, writer);
