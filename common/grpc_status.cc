@@ -21,6 +21,8 @@ constexpr char kUnreachablePayload[] = "type.colod.dev/unreachable";
 constexpr char kWorkerFaultPayload[] = "type.colod.dev/worker-fault";
 // MarkDrained's.
 constexpr char kDrainedPayload[] = "type.colod.dev/drained";
+// MarkPeerCaused's.
+constexpr char kPeerCausedPayload[] = "type.colod.dev/peer-caused";
 
 }  // namespace
 
@@ -88,6 +90,13 @@ absl::Status MarkDrained(absl::Status status) {
 }
 
 bool IsDrained(const absl::Status& status) { return status.GetPayload(kDrainedPayload).has_value(); }
+
+absl::Status MarkPeerCaused(absl::Status status) {
+  if (!status.ok()) status.SetPayload(kPeerCausedPayload, absl::Cord());
+  return status;
+}
+
+bool IsPeerCaused(const absl::Status& status) { return status.GetPayload(kPeerCausedPayload).has_value(); }
 
 absl::Status WithMessage(const absl::Status& status, absl::string_view message) {
   if (status.ok()) return status;

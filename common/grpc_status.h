@@ -68,6 +68,15 @@ bool IsWorkerFault(const absl::Status& status);
 absl::Status MarkDrained(absl::Status status);
 bool IsDrained(const absl::Status& status);
 
+// A rank's failure that follows from a peer's: a save another rank could
+// not write its part of, a collective a failed peer's abort ended. The
+// peer's own error, reported too, says why. MarkPeerCaused adds a payload
+// that says so; the worker reports it (RankResult.peer_caused), and
+// whoever picks one error of several ranks' (RunLocalRanks, the
+// coordinator) takes any other first, whichever came first.
+absl::Status MarkPeerCaused(absl::Status status);
+bool IsPeerCaused(const absl::Status& status);
+
 // `status` with its message replaced by `message`: its code and its
 // payloads (the marks above) are kept. For the one who words an error again
 // (names the stage or the file it came from) without unmarking it.

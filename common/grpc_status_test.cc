@@ -94,18 +94,33 @@ TEST(GrpcStatus, ADrainIsMarkedOnAnErrorAndKeptWithIt) {
   EXPECT_FALSE(IsDrained(MarkDrained(absl::OkStatus())));
 }
 
+TEST(GrpcStatus, APeerCausedFailureIsMarkedOnAnErrorAndKeptWithIt) {
+  const absl::Status caused = MarkPeerCaused(absl::AbortedError("rank 1 could not write its part"));
+  EXPECT_TRUE(IsPeerCaused(caused));
+  EXPECT_EQ(caused.code(), absl::StatusCode::kAborted);
+  const absl::Status copy = caused;
+  EXPECT_TRUE(IsPeerCaused(copy));
+  EXPECT_FALSE(IsDrained(caused));
+  EXPECT_FALSE(IsWorkerFault(caused));
+  EXPECT_FALSE(IsPeerCaused(MarkDrained(absl::AbortedError("stopped"))));
+  EXPECT_FALSE(IsPeerCaused(absl::AbortedError("stopped")));
+  EXPECT_FALSE(IsPeerCaused(MarkPeerCaused(absl::OkStatus())));
+}
+
 TEST(GrpcStatus, WithMessageWordsAnErrorAgainKeepingItsCodeAndMarks) {
   const absl::Status worded =
-      WithMessage(MarkWorkerFault(MarkDrained(absl::AbortedError("stopped"))), "stage 1: stopped");
+      WithMessage(MarkPeerCaused(MarkWorkerFault(MarkDrained(absl::AbortedError("stopped")))), "stage 1: stopped");
   EXPECT_EQ(worded.code(), absl::StatusCode::kAborted);
   EXPECT_EQ(worded.message(), "stage 1: stopped");
   EXPECT_TRUE(IsDrained(worded));
   EXPECT_TRUE(IsWorkerFault(worded));
+  EXPECT_TRUE(IsPeerCaused(worded));
   const absl::Status plain = WithMessage(absl::NotFoundError("no such file"), "no model.safetensors");
   EXPECT_EQ(plain.code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(plain.message(), "no model.safetensors");
   EXPECT_FALSE(IsDrained(plain));
   EXPECT_FALSE(IsWorkerFault(plain));
+  EXPECT_FALSE(IsPeerCaused(plain));
   EXPECT_TRUE(WithMessage(absl::OkStatus(), "a message").ok());  // an OK status has none
 }
 

@@ -674,12 +674,19 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report, 
         }
         if (options_.probe_timeout <= absl::ZeroDuration()) {
           FailLocked(p, reason, worker_fault || IsRetryableRankError(s.code()), rank);
-        } else if (p.state == PlacementState::kRunning) {  // the first failure; the scheduler thread probes the peers
+        } else if (p.state == PlacementState::kRunning || (p.failure_peer_caused && !r.peer_caused())) {
+          // The first failure, or the first of a rank's own after one that
+          // followed from it (kProbing, the peers not probed yet): the
+          // scheduler thread probes the peers.
+          if (p.state == PlacementState::kRunning) {
+            TransitionLocked(p, PlacementState::kProbing);
+            p.failed_at = clock_->Now();
+          }
           p.failed_rank = rank;
           p.failure = reason;
           p.failure_code = s.code();
           p.failure_worker_fault = worker_fault;
-          TransitionLocked(p, PlacementState::kProbing);
+          p.failure_peer_caused = r.peer_caused();
           wake_ = true;
         }
       } else if (p.state == PlacementState::kRunning && p.AllEnded()) {
@@ -718,8 +725,11 @@ void Scheduler::ProbeFailedJobs() {
   std::vector<RankSupervisor::Probe> probes;
   {
     absl::MutexLock lock(&mu_);
+    const absl::Time now = clock_->Now();
     for (auto& [id, p] : placed_) {
       if (p.state != PlacementState::kProbing) continue;
+      // A failure that followed from a peer's waits for the peer's own.
+      if (p.failure_peer_caused && !p.AllEnded() && now < p.failed_at + options_.probe_timeout) continue;
       probes.push_back(
           RankSupervisor::PeersToProbe(id, p.generation, p.mesh, *p.keys, p.ended, p.failed_rank, p.failure,
                                        p.failure_code));
@@ -730,8 +740,8 @@ void Scheduler::ProbeFailedJobs() {
     JobsLock lock(this);
     auto it = placed_.find(probe.job_id);
     if (it == placed_.end() || it->second.state != PlacementState::kProbing ||
-        it->second.generation != probe.generation) {
-      continue;
+        it->second.generation != probe.generation || it->second.failure != probe.failure) {
+      continue;  // (a rank's own failure took the place of the one probed for: probed again)
     }
     FailLocked(it->second, verdict.reason, verdict.retryable || it->second.failure_worker_fault,
                it->second.failed_rank);

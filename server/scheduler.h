@@ -79,7 +79,9 @@ class Scheduler {
     // When a rank fails, its peers that have not ended are asked for their
     // status with this deadline before the job ends, so that the reason names
     // a worker that died or hangs (its peers' collectives fail first and
-    // report only a broken connection). Zero: end at once, unprobed.
+    // report only a broken connection). A failure that follows from a
+    // peer's (RankResult.peer_caused) waits as long for a rank's own first:
+    // the job's reason is the cause. Zero: end at once, unprobed.
     absl::Duration probe_timeout = absl::Seconds(2);
     // A worker that refuses an assignment (or does not answer it) gets no
     // other assignment for this long, and the job is placed again (on other
@@ -239,6 +241,11 @@ class Scheduler {
     // job restarts whatever the code).
     absl::StatusCode failure_code = absl::StatusCode::kUnknown;
     bool failure_worker_fault = false;
+    // Whether that failure followed from a peer's (RankResult.peer_caused),
+    // and when it came: the peers are probed only once a rank's own failure
+    // took its place, every rank ended, or Options::probe_timeout passed.
+    bool failure_peer_caused = false;
+    absl::Time failed_at = absl::InfiniteFuture();
     // When the placement began stopping (its ranks' aborts; Options::stop_grace).
     absl::Time stopped_at = absl::InfiniteFuture();
     // A drain (RankResult.drained), from the first rank that reported one:

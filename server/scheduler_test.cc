@@ -1334,6 +1334,57 @@ TEST_F(SchedulerTest, ARankFailureIsNotForgottenWhenThePeersFinishBeforeTheProbe
   EXPECT_EQ(Job(next).state(), v1::JOB_STATE_SCHEDULED);
 }
 
+// A failure that follows from a peer's (RankResult.peer_caused: a save
+// another rank could not write its part of) reported first is not the
+// job's reason: the scheduler waits for the peers' reports, up to its probe
+// timeout, and takes a rank's own failure. Here rank 1's FAILED_PRECONDITION
+// (a job's own error: no restart), where rank 0's ABORTED would have
+// restarted the job. Where no rank's own failure comes, the first one is
+// the reason once the probe timeout passed.
+TEST_F(SchedulerTest, AFailureThatFollowedAPeersWaitsForTheCauseWhichIsTheJobsReason) {
+  Scheduler::Options o;
+  o.probe_timeout = absl::Seconds(3);  // (the default's 2 s would mean none: Start)
+  Start(4, o);
+  const auto peer_caused = [&](const std::string& id, int rank) {
+    v1::ReportProgressRequest req;
+    req.mutable_result()->set_code(static_cast<int>(absl::StatusCode::kAborted));
+    req.mutable_result()->set_message("the checkpoint of step 2 was not saved: another rank could not write its part");
+    req.mutable_result()->set_peer_caused(true);
+    ASSERT_TRUE(Report(id, rank, req).ok());
+  };
+  v1::JobSpec spec = TrainSpec(2, 1);
+  spec.mutable_restart()->set_max_restarts(3);
+  const std::string id = jobs_->Submit(spec, "")->job_id();
+  scheduler_->TickForTest();
+  Training(id);
+  peer_caused(id, 0);
+  scheduler_->TickForTest();
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_RUNNING);  // waiting for the cause
+  EXPECT_TRUE(fake_->aborted.empty());
+  Ended(id, 1, absl::StatusCode::kFailedPrecondition, "cannot write rank-00001-of-00002.safetensors: Is a directory");
+  scheduler_->TickForTest();
+  v1::Job j = Job(id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED) << j.reason();
+  EXPECT_TRUE(absl::StartsWith(j.reason(), "rank 1 ")) << j.reason();
+  EXPECT_TRUE(absl::StrContains(j.reason(), "Is a directory")) << j.reason();
+
+  // Only failures that followed a peer's: the first, once the timeout
+  // passed, with the peer still running (probed, it answers).
+  const std::string next = jobs_->Submit(spec, "")->job_id();
+  scheduler_->TickForTest();
+  Training(next);
+  peer_caused(next, 1);
+  Pass(absl::Seconds(2));
+  scheduler_->TickForTest();
+  EXPECT_EQ(Job(next).state(), v1::JOB_STATE_RUNNING);
+  Pass(absl::Seconds(2));
+  scheduler_->TickForTest();
+  j = Job(next);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_RESTARTING) << j.reason();
+  EXPECT_TRUE(absl::StartsWith(j.reason(), "rank 1 ")) << j.reason();
+  EXPECT_TRUE(absl::StrContains(j.reason(), "another rank could not write its part")) << j.reason();
+}
+
 // A job's new generation is on disk before a rank gets it. Where the
 // record cannot be written (a full disk), the job is not placed: it goes
 // back to PENDING and says why, the placement undone and the generation

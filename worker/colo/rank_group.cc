@@ -76,16 +76,26 @@ absl::Status RunLocalRanks(const DeviceMesh& mesh, const std::function<absl::Sta
     ASSIGN_OR_RETURN(groups[r], CreateRankGroup(mesh, r, stores[r].get(), std::move(o)));
   }
   absl::Mutex mu;
-  std::optional<absl::Status> first;  // the first failure, prefixed with its rank
+  // The first failure of a rank's own, prefixed with its rank (its marks
+  // kept), and the first that followed a peer's (IsPeerCaused): the peer's
+  // own error, which it returns too, is the run's, whichever came first.
+  std::optional<absl::Status> first, consequence;
   std::optional<absl::Status> drained;  // the first drained end (MarkDrained), likewise
   const auto fail = [&](int r, const absl::Status& s) {
-    const absl::Status cause(s.code(), absl::StrCat("rank ", r, ": ", s.message()));
+    const absl::Status cause = WithMessage(s, absl::StrCat("rank ", r, ": ", s.message()));
     {
       absl::MutexLock lock(&mu);
       // A drain (train::RankHooks::drain) stops every rank on its own after
       // the same step: no abort, which could end a peer still saving it.
       if (IsDrained(s)) {
         if (!drained.has_value()) drained = MarkDrained(cause);
+        return;
+      }
+      // Nor for a failure that followed a peer's: the peer, which failed of
+      // its own, aborts the others with its error (an abort now would end
+      // it with this rank's instead, were it still at a collective).
+      if (IsPeerCaused(s)) {
+        if (!consequence.has_value()) consequence = cause;
         return;
       }
       if (first.has_value()) return;  // most likely a consequence of the first
@@ -111,7 +121,7 @@ absl::Status RunLocalRanks(const DeviceMesh& mesh, const std::function<absl::Sta
   }
   for (auto& t : threads) t.join();
   absl::MutexLock lock(&mu);
-  return first.value_or(drained.value_or(absl::OkStatus()));
+  return first.value_or(consequence.value_or(drained.value_or(absl::OkStatus())));
 }
 
 }  // namespace colod

@@ -69,9 +69,12 @@ struct LocalRanksOptions {
 // When a rank fails, every rank's group is aborted with its error, so the
 // others stop at their current or next collective instead of waiting out
 // the timeout; not for a drained end (IsDrained: every rank stops on its
-// own after the same step). Returns OK, or the error of the rank that
-// failed first, prefixed with its number (a drained one only where no rank
-// failed otherwise, still marked drained). Thread-safe.
+// own after the same step), nor for a failure that followed a peer's
+// (IsPeerCaused: the peer fails of its own too, and aborts the others).
+// Returns OK, or the error of the rank that failed first, prefixed with its
+// number, its marks kept: first of those that failed of their own, then of
+// those whose failure followed a peer's, then of those drained (only where
+// no rank failed otherwise, still marked drained). Thread-safe.
 absl::Status RunLocalRanks(const DeviceMesh& mesh, const std::function<absl::Status(int rank, ProcessGroup& pg)>& body,
                            LocalRanksOptions options = {});
 

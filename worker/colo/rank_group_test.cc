@@ -9,11 +9,12 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/grpc_status.h"
+#include "common/rendezvous_store.h"
 #include "gtest/gtest.h"
 #include "kernels/device.h"
 #include "worker/colo/tensor_collectives.h"
 #include "worker/colo/testing.h"
-#include "common/rendezvous_store.h"
 
 namespace colod {
 namespace {
@@ -109,6 +110,41 @@ TEST(RunLocalRanks, AFailingRankStopsTheOthersLongBeforeTheTimeout) {
   EXPECT_EQ(s.message(), "rank 2: a bad batch");
   EXPECT_LT(took, absl::Seconds(20)) << "the others waited for the failed rank";
   EXPECT_GE(aborted.load(), 1) << "no rank saw the abort";
+}
+
+// Rank 0 fails first with a failure that follows a peer's (a save another
+// rank could not write its part of: it aborts nobody); rank 1, whose own
+// error it is, reports it after, and its abort ends ranks 2 and 3 in their
+// collectives. The run's error is rank 1's, with its marks.
+TEST(RunLocalRanks, ARanksOwnFailureIsTheRunsThoughAPeersConsequenceCameFirst) {
+  std::atomic<bool> rank0_ended{false};
+  std::atomic<int> aborted{0};
+  const absl::Status s = RunLocalRanks(TpDpMesh(2, 2), [&](int rank, ProcessGroup& pg) -> absl::Status {
+    switch (rank) {
+      case 0:
+        rank0_ended = true;
+        return MarkPeerCaused(absl::AbortedError("the checkpoint was not saved: another rank could not write"));
+      case 1:
+        for (int i = 0; i < 2000 && !rank0_ended.load(); ++i) absl::SleepFor(absl::Milliseconds(5));
+        absl::SleepFor(absl::Milliseconds(100));  // rank 0's end recorded
+        if (!pg.Aborted().ok()) return absl::InternalError("rank 0's end aborted rank 1's group");
+        return MarkWorkerFault(absl::ResourceExhaustedError("cannot write optim-1.safetensors: no space left"));
+      default:
+        for (int i = 0; i < 100000; ++i) {
+          const absl::Status c = CheckSum(pg, "tp", Device::Cpu());
+          if (!c.ok()) {
+            if (c.code() == absl::StatusCode::kAborted) ++aborted;
+            return c;
+          }
+        }
+        return absl::OkStatus();
+    }
+  });
+  EXPECT_EQ(aborted.load(), 2) << "ranks 2 and 3 were not aborted";
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_EQ(s.message(), "rank 1: cannot write optim-1.safetensors: no space left");
+  EXPECT_TRUE(IsWorkerFault(s)) << "the rank's marks are kept";
+  EXPECT_FALSE(IsPeerCaused(s));
 }
 
 TEST(RunLocalRanks, CudaRanksReduceOnTheirDevicesOrSayThereIsNoCuda) {

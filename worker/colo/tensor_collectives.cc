@@ -1,6 +1,7 @@
 #include "worker/colo/tensor_collectives.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
 #include "common/status_macros.h"
 
 namespace colod {
@@ -72,6 +73,36 @@ absl::StatusOr<Tensor> BroadcastFrom(const Tensor& t, int root, Communicator& co
                    comm.rank() == root ? t.TryClone() : Tensor::Empty(t.shape(), t.dtype(), t.device()));
   RETURN_IF_ERROR(comm.Broadcast(buf.raw_data(), buf.numel(), buf.dtype(), root)->WaitOnDevice(timeout));
   return buf;
+}
+
+absl::StatusOr<Tensor> AnyOverMesh(ProcessGroup& pg, bool mine, const Device& device) {
+  Tensor flag;
+  if (mine) {
+    ASSIGN_OR_RETURN(const Tensor host, Tensor::FromFloats({1}, {1.0f}));
+    ASSIGN_OR_RETURN(flag, host.To(device));
+  } else {
+    ASSIGN_OR_RETURN(flag, Tensor::Zeros({1}, DType::kF32, device));
+  }
+  // Along each axis in turn: the max of maxes over groups that cover the
+  // mesh is the mesh's (axes that overlap, as a 2D mesh's, count twice,
+  // which a max does not mind).
+  for (const MeshAxis& axis : pg.mesh().axes()) {
+    if (axis.size < 2) continue;
+    ASSIGN_OR_RETURN(Communicator * comm, pg.Comm(axis.name));
+    RETURN_IF_ERROR(comm->AllReduce(flag.raw_data(), 1, DType::kF32, ReduceOp::kMax)->WaitOnDevice(pg.timeout()));
+  }
+  return flag;
+}
+
+absl::Status AgreeOverMesh(ProcessGroup& pg, const absl::Status& mine, const Device& device,
+                           absl::string_view peer_failed) {
+  absl::StatusOr<Tensor> any = AnyOverMesh(pg, !mine.ok(), device);
+  const absl::StatusOr<std::vector<float>> agreed =
+      any.ok() ? any->ReadFloats() : absl::StatusOr<std::vector<float>>(any.status());
+  if (!mine.ok()) return mine;
+  RETURN_IF_ERROR(agreed.status());
+  if (agreed->empty() || (*agreed)[0] != 0) return MarkPeerCaused(absl::AbortedError(peer_failed));
+  return absl::OkStatus();
 }
 
 }  // namespace colod

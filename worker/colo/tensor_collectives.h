@@ -11,7 +11,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "worker/colo/process_group.h"
 #include "worker/comm/communicator.h"
 #include "worker/tensor/tensor.h"
 
@@ -42,6 +44,26 @@ absl::Status AllReduceInPlace(Tensor& t, ReduceOp op, Communicator& comm, absl::
 
 // Local rank `root`'s `t` on every rank (`t` gives the shape elsewhere).
 absl::StatusOr<Tensor> BroadcastFrom(const Tensor& t, int root, Communicator& comm, absl::Duration timeout);
+
+// 1 where `mine` is true on any rank of the mesh, else 0: a one-element f32
+// tensor on `device`, all-reduced (max) along each mesh axis in turn and
+// never read on the host (a CUDA rank's stream waits for it; nothing
+// waits for the device). Made on the device but for a true `mine` (a copy
+// from the host). Collective over the whole mesh.
+absl::StatusOr<Tensor> AnyOverMesh(ProcessGroup& pg, bool mine, const Device& device);
+
+// A barrier that says whether every rank of the mesh got `mine` OK
+// (AnyOverMesh of its failure, read on the host): it returns once every
+// rank called it, so that no rank goes on (removes a directory the others
+// still write into) while another is still at the work it agrees on.
+// Returns `mine` where it is an error, whatever the agreement's outcome;
+// else the agreement's error where it failed (a peer lost); else, where
+// another rank's was an error, ABORTED with `peer_failed` as its message,
+// marked IsPeerCaused (the peer's own error says why: the job's reason is
+// the cause, not this consequence); else OK. Collective over the whole
+// mesh.
+absl::Status AgreeOverMesh(ProcessGroup& pg, const absl::Status& mine, const Device& device,
+                           absl::string_view peer_failed);
 
 }  // namespace colod
 

@@ -206,8 +206,13 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
   // A file system call: made unlocked, and said once the rank is known to
   // be a new one (the same assignment again is its running rank's).
   const absl::Status room = req.spec().kind() != v1::JOB_KIND_TENSOR ? CheckWorkDirRoom() : absl::OkStatus();
+  // The same assignment again (a retry of a call whose answer was lost) is
+  // the running rank's, or the ended one's: never started twice.
+  const auto same = [&req](const v1::AssignJobRequest& now) {
+    return now.job_id() == req.job_id() && now.generation() == req.generation() && now.rank() == req.rank();
+  };
   absl::MutexLock lock(&mu_);
-  if (active_ && active_->end_reported) {
+  if (active_ && active_->end_reported && !same(active_->request)) {
     // The coordinator heard of its end and may place the next rank here at
     // once: the rank's teardown (its communicators, a failed rank's after
     // its report) is waited for, not refused (a refusal would make the
@@ -222,9 +227,7 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
   }
   if (active_) {
     const v1::AssignJobRequest& now = active_->request;
-    if (now.job_id() == req.job_id() && now.generation() == req.generation() && now.rank() == req.rank()) {
-      return absl::OkStatus();
-    }
+    if (same(now)) return absl::OkStatus();
     return absl::FailedPreconditionError(absl::StrCat("this worker runs rank ", now.rank(), " of job '",
                                                       now.job_id(), "' (generation ", now.generation(), ")"));
   }

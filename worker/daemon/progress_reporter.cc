@@ -206,6 +206,7 @@ void ProgressReporter::End(const absl::Status& status, const std::optional<v1::F
   // bounded.
   r.mutable_result()->set_message(Utf8Prefix(status.message(), kMaxReportedMessageBytes));
   r.mutable_result()->set_worker_fault(IsWorkerFault(status));
+  r.mutable_result()->set_peer_caused(IsPeerCaused(status));
   if (IsDrained(status)) {
     r.mutable_result()->set_drained(true);
     r.mutable_result()->set_worker_leaving(worker_leaving);

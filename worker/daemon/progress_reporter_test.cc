@@ -279,6 +279,19 @@ TEST_F(ProgressReporterTest, TheResultSaysWhetherTheFaultIsTheWorkers) {
   EXPECT_EQ(got[0].code(), static_cast<int>(absl::StatusCode::kResourceExhausted));
   EXPECT_TRUE(got[0].worker_fault());
   EXPECT_FALSE(got[1].worker_fault());
+  EXPECT_FALSE(got[0].peer_caused());
+  EXPECT_FALSE(got[1].peer_caused());
+}
+
+// A failure that follows a peer's (a save another rank could not write its
+// part of) says so, for the coordinator to wait for the peer's own.
+TEST_F(ProgressReporterTest, TheResultSaysWhetherTheFailureFollowedAPeers) {
+  reporter_->End(MarkPeerCaused(absl::AbortedError("another rank could not write its part")), std::nullopt);
+  const std::vector<v1::RankResult> got = service_.Results();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].code(), static_cast<int>(absl::StatusCode::kAborted));
+  EXPECT_TRUE(got[0].peer_caused());
+  EXPECT_FALSE(got[0].worker_fault());
 }
 
 // An error may quote a file's bytes, any bytes, at any length: a status or

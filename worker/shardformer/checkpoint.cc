@@ -14,6 +14,7 @@
 #include "common/json.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "worker/colo/tensor_collectives.h"
 #include "worker/shardformer/safetensors.h"
 #include "worker/tensor/dtype.h"
 
@@ -175,12 +176,20 @@ absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, Ran
   ProcessGroup* pg = model.process_group();
   const DeviceMesh& mesh = pg->mesh();
   const int rank = pg->rank(), world = mesh.world_size();
+  // Each step's writes end in an agreement (AgreeOverMesh), not a plain
+  // barrier: a rank that could not write fails with its own error, the
+  // others with one that follows from it, and none returns (its caller
+  // removing the directory, say) while another still writes there.
+  const Device& device = model.shard_config().device;
+  const std::string peer_failed =
+      absl::StrCat("the checkpoint in ", dir, " was not saved: another rank could not write its part");
+  absl::Status wrote = absl::OkStatus();
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
-  if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
+  if (ec) wrote = absl::FailedPreconditionError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
   NoGradScope no_grad;
-  RETURN_IF_ERROR(WriteSafetensors(absl::StrCat(dir, "/", RankFile(rank, world)), parts.tensors));
-  RETURN_IF_ERROR(pg->Barrier());
+  if (wrote.ok()) wrote = WriteSafetensors(absl::StrCat(dir, "/", RankFile(rank, world)), parts.tensors);
+  RETURN_IF_ERROR(AgreeOverMesh(*pg, wrote, device, peer_failed));
   // Pipeline stages: each stage's first rank writes its stages' parts of
   // the index (one a virtual stage), which rank 0 joins.
   const int stages = std::max(1, model.shard_config().stage.count);
@@ -194,12 +203,15 @@ absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, Ran
   auto part = [&](int stage) { return absl::StrFormat("%s/index-stage-%05d.json", dir, stage); };
   if (stages > 1 && stage_leader) {
     for (ShardedModel* chunk : chunks) {
-      ASSIGN_OR_RETURN(Json fragment, IndexOf(*chunk));
-      RETURN_IF_ERROR(WriteFileAtomically(part(chunk->shard_config().stage.index), fragment.dump()));
+      absl::StatusOr<Json> fragment = IndexOf(*chunk);
+      wrote = fragment.ok() ? WriteFileAtomically(part(chunk->shard_config().stage.index), fragment->dump())
+                            : fragment.status();
+      if (!wrote.ok()) break;
     }
   }
-  if (stages > 1) RETURN_IF_ERROR(pg->Barrier());
-  if (rank == 0) {
+  if (stages > 1) RETURN_IF_ERROR(AgreeOverMesh(*pg, wrote, device, peer_failed));
+  // Rank 0 joins the index; the others wait for it in the last agreement.
+  const auto join_index = [&]() -> absl::Status {
     ASSIGN_OR_RETURN(Json index, IndexOf(model));
     for (int s = 1; s < stages; ++s) {
       ASSIGN_OR_RETURN(std::string text, ReadFileToString(part(s)));
@@ -215,8 +227,10 @@ absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, Ran
       std::error_code ec;
       std::filesystem::remove(part(s), ec);
     }
-  }
-  return pg->Barrier();  // the index exists when any rank returns
+    return absl::OkStatus();
+  };
+  // The index exists when any rank returns OK.
+  return AgreeOverMesh(*pg, rank == 0 ? join_index() : absl::OkStatus(), device, peer_failed);
 }
 
 absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir) {

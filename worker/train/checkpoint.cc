@@ -14,8 +14,8 @@
 #include <map>
 #include <mutex>
 #include <optional>
-#include <sstream>
 #include <set>
+#include <sstream>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -29,11 +29,13 @@
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "common/atomic_file.h"
+#include "common/grpc_status.h"
 #include "common/json.h"
 #include "common/limits.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "worker/colo/tensor_collectives.h"
 #include "worker/shardformer/checkpoint.h"
 #include "worker/shardformer/safetensors.h"
 
@@ -273,6 +275,12 @@ TestingSeam<std::function<void(ProcessGroup&)>>& BeforeInstallSeam() {
   return *seam;
 }
 
+// Run by every rank before it writes its part of a checkpoint into `tmp`.
+TestingSeam<std::function<void(ProcessGroup&, const std::string& tmp)>>& BeforeWriteSeam() {
+  static auto* seam = new TestingSeam<std::function<void(ProcessGroup&, const std::string&)>>();
+  return *seam;
+}
+
 // renameat2(a, b, RENAME_EXCHANGE), the n-th of an install, after the
 // testing hook (internal::SetCheckpointExchangeHookForTesting), which may
 // fail it with an errno of its own.
@@ -389,6 +397,9 @@ void SetCheckpointExchangeHookForTesting(std::function<int(int exchange)> hook) 
 void SetCheckpointBeforeInstallHookForTesting(std::function<void(ProcessGroup&)> hook) {
   BeforeInstallSeam().Set(std::move(hook));
 }
+void SetCheckpointBeforeWriteHookForTesting(std::function<void(ProcessGroup&, const std::string& tmp)> hook) {
+  BeforeWriteSeam().Set(std::move(hook));
+}
 }  // namespace internal
 
 absl::Status SaveTrainingCheckpoint(shardformer::ShardedModel& model, Optimizer& optimizer, const std::string& dir,
@@ -409,51 +420,65 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
   const int rank = pg->rank(), world = pg->mesh().world_size();
   const std::string final_dir = StepDir(dir, step), tmp = StepTmpDir(dir, step, writer);
   // Weights that are not finite fail the save here, before anything is
-  // created: a rank failing later removes the directory (below), and a
-  // peer's write into it would fail too, perhaps first, and be the error
-  // reported in place of this cause.
+  // created or any rank writes.
   // An aborted rank (given up on, perhaps: another job may own the
   // directory now) starts no save and removes nothing.
   RETURN_IF_ERROR(pg->Aborted());
   ASSIGN_OR_RETURN(shardformer::RankParts parts, shardformer::TakeRankParts(chunks));
   std::error_code ec;
+  absl::Status made = absl::OkStatus();
   if (rank == 0) {
     // Crashed or abandoned attempts, this one's included, before this
     // checkpoint takes room of its own.
     RemoveStaleTmpDirs(dir, writer);
     fs::create_directories(tmp, ec);
-    if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create ", tmp, ": ", ec.message()));
+    if (ec) made = absl::FailedPreconditionError(absl::StrCat("cannot create ", tmp, ": ", ec.message()));
   }
   // A save that fails before its checkpoint is put in place (a full disk,
-  // a peer lost) removes its temporary directory, on whichever rank fails
-  // (the others' writes there fail too, and the save with them): it is this
-  // writer's alone, and left, it would hold its room for an hour
-  // (kOtherWritersTmpGrace) against another job's saves. From the install
-  // on it may hold another job's checkpoint, for a human (InstallCheckpoint).
-  bool remove_tmp = true;
+  // a peer lost) removes its temporary directory: it is this writer's
+  // alone, and left, it would hold its room for an hour
+  // (kOtherWritersTmpGrace) against another job's saves. Rank 0 alone
+  // removes it: past the ranks' agreement (below) it alone writes there
+  // and puts it in place, and another rank whose agreement fails (a peer
+  // lost after rank 0 passed it) must not remove what rank 0 may be
+  // renaming. From the install on it may hold another job's checkpoint,
+  // for a human (InstallCheckpoint).
+  bool remove_tmp = rank == 0;
   absl::Cleanup failed = [&] {
     if (!remove_tmp) return;
     std::error_code rm;
     fs::remove_all(tmp, rm);
   };
-  RETURN_IF_ERROR(pg->Barrier());
+  const Device& device = model.shard_config().device;
+  RETURN_IF_ERROR(
+      AgreeOverMesh(*pg, made, device,
+                    absl::StrCat("the checkpoint of step ", step, " was not saved: rank 0 could not create ", tmp)));
+  // Each rank writes its parts, and every rank learns whether all could
+  // (AgreeOverMesh, in SaveShardedCheckpoint and here): a rank that could
+  // not fails with its own error, the others with one that follows from it
+  // (the job's reason is the cause), and no rank returns, nor rank 0
+  // removes the directory, while another still writes there (its write
+  // would fail too, "No such file or directory", perhaps first).
+  if (const std::function<void(ProcessGroup&, const std::string&)> hook = BeforeWriteSeam().Get()) hook(*pg, tmp);
   RETURN_IF_ERROR(shardformer::SaveShardedCheckpoint(chunks, std::move(parts), tmp));
-  std::vector<std::pair<std::string, Tensor>> state;
-  std::set<std::string> written;
-  for (const Optimizer::StateTensor& t : optimizer.State()) {
-    // A rank holding a table and a mirror of it (chunks of one interleaved
-    // pipeline rank) keeps the same state for both: written once.
-    if (!written.insert(t.name).second) continue;
-    ASSIGN_OR_RETURN(Tensor host, t.value.To(Device::Cpu()));
-    state.emplace_back(t.name, host.Contiguous());  // on the host: fails only without host memory
-  }
-  RETURN_IF_ERROR(shardformer::WriteSafetensors(absl::StrCat(tmp, "/", OptimFile(rank, world)), state));
-  // Past here only rank 0 writes there, and puts it in place once every
-  // rank passed this barrier: another rank whose barrier fails then must
-  // not remove what rank 0 may be renaming.
-  if (rank != 0) remove_tmp = false;
-  RETURN_IF_ERROR(pg->Barrier());
-  if (rank == 0) {
+  const auto write_state = [&]() -> absl::Status {
+    std::vector<std::pair<std::string, Tensor>> state;
+    std::set<std::string> written;
+    for (const Optimizer::StateTensor& t : optimizer.State()) {
+      // A rank holding a table and a mirror of it (chunks of one interleaved
+      // pipeline rank) keeps the same state for both: written once.
+      if (!written.insert(t.name).second) continue;
+      ASSIGN_OR_RETURN(Tensor host, t.value.To(Device::Cpu()));
+      state.emplace_back(t.name, host.Contiguous());  // on the host: fails only without host memory
+    }
+    return shardformer::WriteSafetensors(absl::StrCat(tmp, "/", OptimFile(rank, world)), state);
+  };
+  RETURN_IF_ERROR(AgreeOverMesh(
+      *pg, write_state(), device,
+      absl::StrCat("the checkpoint of step ", step, " was not saved: another rank could not write its part to ", tmp)));
+  // Rank 0 writes the state and puts the checkpoint in place; the others
+  // wait for it in the last agreement.
+  const auto install = [&]() -> absl::Status {
     Json j = {{"step", step},
               {"optimizer_steps", optimizer.steps()},
               {"seed", seed},
@@ -475,9 +500,9 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
                        "same colod version?): ",
                        whole.message()));
     }
-    // A rank aborted since the barrier (the coordinator may have given up
+    // A rank aborted since the agreement (the coordinator may have given up
     // on it, and the directory's next job saved there) replaces no other
-    // job's checkpoint of the step: InstallCheckpoint asks. The barriers
+    // job's checkpoint of the step: InstallCheckpoint asks. The agreements
     // fence the rest of the save; this covers the state write and the
     // checks, which read every file, and the install itself.
     if (const std::function<void(ProcessGroup&)> hook = BeforeInstallSeam().Get()) hook(*pg);
@@ -485,9 +510,10 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
     RETURN_IF_ERROR(InstallCheckpoint(dir, tmp, final_dir, writer, *pg));
     // The checkpoint's name on disk before it is reported or an older one
     // is pruned: a power loss must not keep the removals and lose it.
-    RETURN_IF_ERROR(SyncDirectory(dir));
-  }
-  RETURN_IF_ERROR(pg->Barrier());
+    return SyncDirectory(dir);
+  };
+  RETURN_IF_ERROR(AgreeOverMesh(*pg, rank == 0 ? install() : absl::OkStatus(), device,
+                                absl::StrCat("the checkpoint of step ", step, " failed as rank 0 put it in place")));
   // What a stale rank of an earlier generation made again meanwhile.
   if (rank == 0 && pg->Aborted().ok()) RemoveStaleTmpDirs(dir, writer);
   return absl::OkStatus();

@@ -203,6 +203,11 @@ void SetCheckpointExchangeHookForTesting(std::function<int(int exchange)> hook);
 // puts the checkpoint in place (which then asks whether `pg` was aborted).
 // An empty function removes it. Thread-safe, as the exchange's.
 void SetCheckpointBeforeInstallHookForTesting(std::function<void(ProcessGroup&)> hook);
+// Testing only: hook(pg, tmp) runs on every rank of a save just before it
+// writes its part into the temporary directory `tmp` (every rank passed the
+// save's first barrier). An empty function removes it. Thread-safe, as the
+// exchange's.
+void SetCheckpointBeforeWriteHookForTesting(std::function<void(ProcessGroup&, const std::string& tmp)> hook);
 }  // namespace internal
 
 }  // namespace colod::train

@@ -18,13 +18,18 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/grpc_status.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/full_disk.h"
 #include "tests/testing/no_rename_exchange.h"
 #include "tests/testing/temp_dir.h"
+#include "worker/shardformer/run_forward.h"
 #include "worker/shardformer/testing.h"
 #include "worker/train/train_testing.h"
 #include "worker/train/trainer.h"
@@ -53,6 +58,12 @@ absl::StatusOr<TrainOptions> GenerationRun(const std::string& name, int64_t step
   o.job = "job-000007";
   o.generation = 2;
   return o;
+}
+
+// Rank `rank`'s file of the model's parameters in the checkpoint of step 2
+// under `dir` (two ranks).
+std::string RankFileOfStep2(const std::string& dir, int rank) {
+  return absl::StrFormat("%s/rank-%05d-of-00002.safetensors", StepDir(dir, 2), rank);
 }
 
 // DIR/step-NNNNNN as a save leaves it, as far as retention reads it: its
@@ -469,6 +480,55 @@ TEST(Checkpoints, WeightsThatAreNotFiniteAreNeverSaved) {
   EXPECT_TRUE(std::isfinite(steps[0].loss));
   EXPECT_TRUE(std::isfinite(steps[0].grad_norm));
   EXPECT_TRUE(!fs::exists(o.save_dir) || Entries(o.save_dir).empty());
+}
+
+// A rank that cannot write its part of a checkpoint (here a directory in
+// the way of rank 0's file at step 2: a real error of the real write) fails
+// the save with its own error, naming the file; its peer, whose write went
+// through, fails with one marked as following a peer's (IsPeerCaused), so
+// that the job's reason is the cause. Rank 1 writes late: the temporary
+// directory stays until no rank writes there (it was removed under rank 1,
+// whose "No such file or directory" could be reported first). Nothing but
+// the failed save's temporary directory is removed.
+TEST(Checkpoints, ARankThatCannotWriteItsPartFailsTheSaveWithItsOwnErrorItsPeersFollowing) {
+  struct Unhook {
+    ~Unhook() { internal::SetCheckpointBeforeWriteHookForTesting({}); }
+  } unhook;
+  auto run = GenerationRun("ck_one_rank_fails", 3);
+  ASSERT_TRUE(run.ok()) << run.status();
+  const TrainOptions o = *run;
+  const std::string blocked = RankFileOfStep2(o.save_dir, 0);
+  internal::SetCheckpointBeforeWriteHookForTesting([&](ProcessGroup& pg, const std::string& tmp) {
+    if (!absl::StrContains(tmp, "step-000002")) return;
+    if (pg.rank() == 0) {
+      fs::create_directories(tmp + "/" + fs::path(blocked).filename().string() + "/in-the-way");
+    } else {
+      absl::SleepFor(absl::Milliseconds(300));
+    }
+  });
+  auto prepared = PrepareTrain(o);
+  ASSERT_TRUE(prepared.ok()) << prepared.status();
+  absl::Mutex mu;
+  std::vector<absl::Status> ends(2);
+  const absl::Status s = shardformer::RunOnLocalRanks(
+      o.shard, /*cuda=*/false,
+      [&](int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard) {
+        const absl::Status end = RunTrainRank(**prepared, rank, pg, shard, RankHooks{});
+        absl::MutexLock lock(&mu);
+        ends[rank] = end;
+        return end;
+      },
+      o.comm_timeout);
+  EXPECT_FALSE(ends[0].ok());
+  EXPECT_FALSE(IsPeerCaused(ends[0])) << ends[0];
+  EXPECT_TRUE(absl::StrContains(ends[0].message(), fs::path(blocked).filename().string())) << ends[0];
+  EXPECT_EQ(ends[1].code(), absl::StatusCode::kAborted) << ends[1];
+  EXPECT_TRUE(IsPeerCaused(ends[1])) << ends[1];
+  EXPECT_TRUE(absl::StrContains(ends[1].message(), "another rank could not write its part")) << ends[1];
+  EXPECT_EQ(s.code(), ends[0].code()) << s;
+  EXPECT_TRUE(absl::StartsWith(s.message(), "rank 0: ")) << s;
+  EXPECT_EQ(Entries(o.save_dir), (std::set<std::string>{"step-000001"}));
+  EXPECT_TRUE(LatestCheckpoint(o.save_dir).ok());
 }
 
 // A job the coordinator restarts resumes from the newest checkpoint it

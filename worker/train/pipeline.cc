@@ -395,25 +395,6 @@ absl::StatusOr<double> SumOver(ProcessGroup& pg, const std::string& axis, double
   return sums[0];
 }
 
-absl::StatusOr<Tensor> AnyOverMesh(ProcessGroup& pg, bool mine, const Device& device) {
-  Tensor flag;
-  if (mine) {
-    ASSIGN_OR_RETURN(const Tensor host, Tensor::FromFloats({1}, {1.0f}));
-    ASSIGN_OR_RETURN(flag, host.To(device));
-  } else {
-    ASSIGN_OR_RETURN(flag, Tensor::Zeros({1}, DType::kF32, device));
-  }
-  // Along each axis in turn: the max of maxes over groups that cover the
-  // mesh is the mesh's (axes that overlap, as a 2D mesh's, count twice,
-  // which a max does not mind).
-  for (const MeshAxis& axis : pg.mesh().axes()) {
-    if (axis.size < 2) continue;
-    ASSIGN_OR_RETURN(Communicator * comm, pg.Comm(axis.name));
-    RETURN_IF_ERROR(comm->AllReduce(flag.raw_data(), 1, DType::kF32, ReduceOp::kMax)->WaitOnDevice(pg.timeout()));
-  }
-  return flag;
-}
-
 absl::Status SumTiedGradients(const std::vector<shardformer::ShardedModel*>& chunks,
                               const std::vector<std::vector<shardformer::NamedParam>>& chunk_params,
                               ProcessGroup& pg) {

@@ -115,13 +115,6 @@ absl::StatusOr<double> SumOver(ProcessGroup& pg, const std::string& axis, double
 absl::StatusOr<std::vector<double>> SumOver(ProcessGroup& pg, const std::string& axis, std::vector<double> values,
                                             const Device& device);
 
-// 1 where `mine` is true on any rank of the mesh, else 0: a one-element f32
-// tensor on `device`, all-reduced (max) along each mesh axis in turn and
-// never read on the host (a CUDA rank's stream waits for it; nothing
-// waits for the device). Made on the device but for a true `mine` (a copy
-// from the host). Collective over the whole mesh.
-absl::StatusOr<Tensor> AnyOverMesh(ProcessGroup& pg, bool mine, const Device& device);
-
 // The gradients of every table several (virtual) stages hold
 // (NamedParam::tie_stages: an embedding and the last stage's mirror of it
 // for a tied head; T5's shared embedding and position bias tables) summed

@@ -26,6 +26,7 @@
 #include "kernels/device.h"
 #include "kernels/types.h"
 #include "spec/job_validation.h"
+#include "worker/colo/tensor_collectives.h"
 #include "worker/shardformer/checkpoint.h"
 #include "worker/shardformer/run_forward.h"
 #include "worker/shardformer/shardformer.h"
