@@ -729,7 +729,7 @@ void Scheduler::ProbeFailedJobs() {
     for (auto& [id, p] : placed_) {
       if (p.state != PlacementState::kProbing) continue;
       // A failure that followed from a peer's waits for the peer's own.
-      if (p.failure_peer_caused && !p.AllEnded() && now < p.failed_at + options_.probe_timeout) continue;
+      if (p.failure_peer_caused && !p.AllEnded() && now < p.failed_at + options_.peer_caused_wait) continue;
       probes.push_back(
           RankSupervisor::PeersToProbe(id, p.generation, p.mesh, *p.keys, p.ended, p.failed_rank, p.failure,
                                        p.failure_code));

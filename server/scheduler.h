@@ -79,10 +79,14 @@ class Scheduler {
     // When a rank fails, its peers that have not ended are asked for their
     // status with this deadline before the job ends, so that the reason names
     // a worker that died or hangs (its peers' collectives fail first and
-    // report only a broken connection). A failure that follows from a
-    // peer's (RankResult.peer_caused) waits as long for a rank's own first:
-    // the job's reason is the cause. Zero: end at once, unprobed.
+    // report only a broken connection). Zero: end at once, unprobed.
     absl::Duration probe_timeout = absl::Seconds(2);
+    // A first failure that followed from a peer's (RankResult.peer_caused:
+    // a save another rank could not write its part of) is probed only once
+    // a rank's own failure took its place, every rank ended (a lost one
+    // counts), or this passed: the job's reason is the cause, which its rank
+    // reports after its own cleanup (removing a large save's directory).
+    absl::Duration peer_caused_wait = absl::Seconds(30);
     // A worker that refuses an assignment (or does not answer it) gets no
     // other assignment for this long, and the job is placed again (on other
     // workers, or on the same one once this passed) under a new generation.
@@ -243,7 +247,7 @@ class Scheduler {
     bool failure_worker_fault = false;
     // Whether that failure followed from a peer's (RankResult.peer_caused),
     // and when it came: the peers are probed only once a rank's own failure
-    // took its place, every rank ended, or Options::probe_timeout passed.
+    // took its place, every rank ended, or Options::peer_caused_wait passed.
     bool failure_peer_caused = false;
     absl::Time failed_at = absl::InfiniteFuture();
     // When the placement began stopping (its ranks' aborts; Options::stop_grace).

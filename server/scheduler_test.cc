@@ -1336,14 +1336,15 @@ TEST_F(SchedulerTest, ARankFailureIsNotForgottenWhenThePeersFinishBeforeTheProbe
 
 // A failure that follows from a peer's (RankResult.peer_caused: a save
 // another rank could not write its part of) reported first is not the
-// job's reason: the scheduler waits for the peers' reports, up to its probe
-// timeout, and takes a rank's own failure. Here rank 1's FAILED_PRECONDITION
-// (a job's own error: no restart), where rank 0's ABORTED would have
-// restarted the job. Where no rank's own failure comes, the first one is
-// the reason once the probe timeout passed.
+// job's reason: the scheduler waits for the peers' reports, up to
+// Options::peer_caused_wait, and takes a rank's own failure. Here rank 1's
+// FAILED_PRECONDITION (a job's own error: no restart), where rank 0's
+// ABORTED would have restarted the job. Where no rank's own failure comes,
+// the first one is the reason once the wait passed.
 TEST_F(SchedulerTest, AFailureThatFollowedAPeersWaitsForTheCauseWhichIsTheJobsReason) {
   Scheduler::Options o;
-  o.probe_timeout = absl::Seconds(3);  // (the default's 2 s would mean none: Start)
+  o.probe_timeout = absl::Seconds(1);
+  o.peer_caused_wait = absl::Seconds(3);
   Start(4, o);
   const auto peer_caused = [&](const std::string& id, int rank) {
     v1::ReportProgressRequest req;

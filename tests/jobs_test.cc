@@ -742,9 +742,11 @@ TEST_F(JobsTest, AJobThatSpendsItsRestartsFailsListingEveryAttempt) {
 // A rank's own error is the job's reason, not a peer's consequence of it.
 // Rank 0 of a dp=2 job finds its updated weights not finite as it saves
 // (FAILED_PRECONDITION: no restart mends it), while rank 1, which owns no
-// parameter, waits for it at the save's first barrier. Rank 0 reports
-// before its connections close; rank 1's "connection closed by peer"
-// (UNAVAILABLE, which restarts a job) would otherwise often be heard first.
+// parameter, learns of it at the save's first agreement and fails with an
+// error marked as following a peer's (RankResult.peer_caused), for which
+// the coordinator waits for rank 0's own. (Before the agreement, rank 1's
+// "connection closed by peer", UNAVAILABLE, which restarts a job, could be
+// heard first; rank 0 also reports before its connections close.)
 TEST_F(JobsTest, ARanksOwnErrorIsTheJobsReasonNotItsPeersConsequence) {
   train::TrainOptions o = Options(3);
   o.shard.layout.set_tensor_parallel_size(1);

@@ -147,6 +147,77 @@ TEST(RunLocalRanks, ARanksOwnFailureIsTheRunsThoughAPeersConsequenceCameFirst) {
   EXPECT_FALSE(IsPeerCaused(s));
 }
 
+// AgreeOverMesh: the rank whose work failed gets its own error back, every
+// other rank of the mesh ABORTED marked as following a peer's; with no
+// failure, every rank OK. Over Gloo, and over NCCL where there are devices
+// (the emulation in CI).
+TEST(AgreeOverMesh, EveryRankLearnsThatOneFailedWhichKeepsItsOwnError) {
+  for (const bool cuda : {false, true}) {
+#ifdef COLOD_WITH_CUDA
+    if (cuda && kernels::CudaDeviceCount() < 4) continue;
+#else
+    if (cuda) continue;
+#endif
+    SCOPED_TRACE(cuda ? "nccl" : "gloo");
+    LocalRanksOptions options;
+    options.cuda = cuda;
+    for (const int failing : {-1, 2}) {
+      absl::Mutex mu;
+      std::map<int, absl::Status> got;
+      const absl::Status run = RunLocalRanks(
+          TpDpMesh(2, 2),
+          [&](int rank, ProcessGroup& pg) -> absl::Status {
+            const absl::Status mine = rank == failing ? absl::DataLossError("cannot write my part") : absl::OkStatus();
+            const absl::Status s =
+                AgreeOverMesh(pg, mine, cuda ? Device::Cuda(rank) : Device::Cpu(), "another rank failed");
+            absl::MutexLock lock(&mu);
+            got[rank] = s;
+            return absl::OkStatus();
+          },
+          options);
+      ASSERT_TRUE(run.ok()) << run;
+      ASSERT_EQ(got.size(), 4u);
+      for (const auto& [rank, s] : got) {
+        if (failing < 0) {
+          EXPECT_TRUE(s.ok()) << rank << ": " << s;
+        } else if (rank == failing) {
+          EXPECT_EQ(s, absl::DataLossError("cannot write my part"));
+        } else {
+          EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << rank << ": " << s;
+          EXPECT_EQ(s.message(), "another rank failed");
+          EXPECT_TRUE(IsPeerCaused(s)) << rank;
+        }
+      }
+    }
+  }
+}
+
+// Over NCCL an agreement whose peer never came fails with the
+// communicator's error (the watchdog's), never OK on the rank's own flag
+// (on a device the stream runs past a collective that was aborted, leaving
+// the flag as it was: AgreeOverMesh checks the communicators' sticky error).
+TEST(AgreeOverMesh, AnAgreementAPeerNeverJoinedIsNotOkOverNccl) {
+#ifdef COLOD_WITH_CUDA
+  if (kernels::CudaDeviceCount() < 2) GTEST_SKIP() << "needs 2 CUDA devices";
+  LocalRanksOptions options;
+  options.cuda = true;
+  options.timeout = absl::Seconds(2);
+  absl::Status rank0 = absl::UnknownError("not run");
+  (void)RunLocalRanks(
+      TpDpMesh(2, 1),
+      [&](int rank, ProcessGroup& pg) -> absl::Status {
+        if (rank == 1) return absl::OkStatus();  // never joins
+        rank0 = AgreeOverMesh(pg, absl::OkStatus(), Device::Cuda(0), "another rank failed");
+        return absl::OkStatus();
+      },
+      options);
+  EXPECT_EQ(rank0.code(), absl::StatusCode::kDeadlineExceeded) << rank0;
+  EXPECT_FALSE(IsPeerCaused(rank0)) << rank0;
+#else
+  GTEST_SKIP() << "a build without CUDA";
+#endif
+}
+
 TEST(RunLocalRanks, CudaRanksReduceOnTheirDevicesOrSayThereIsNoCuda) {
   LocalRanksOptions options;
   options.cuda = true;

@@ -57,7 +57,8 @@ absl::StatusOr<Tensor> AnyOverMesh(ProcessGroup& pg, bool mine, const Device& de
 // rank called it, so that no rank goes on (removes a directory the others
 // still write into) while another is still at the work it agrees on.
 // Returns `mine` where it is an error, whatever the agreement's outcome;
-// else the agreement's error where it failed (a peer lost); else, where
+// else the agreement's error where it failed (a peer lost; a communicator's
+// sticky error, ProcessGroup::AsyncError, included); else, where
 // another rank's was an error, ABORTED with `peer_failed` as its message,
 // marked IsPeerCaused (the peer's own error says why: the job's reason is
 // the cause, not this consequence); else OK. Collective over the whole

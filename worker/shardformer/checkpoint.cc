@@ -137,8 +137,14 @@ absl::Status SaveShardedCheckpoint(ShardedModel& model, const std::string& dir) 
 }
 
 absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, const std::string& dir) {
-  ASSIGN_OR_RETURN(RankParts parts, TakeRankParts(chunks));
-  return SaveShardedCheckpoint(chunks, std::move(parts), dir);
+  if (chunks.empty()) return absl::InvalidArgumentError("a checkpoint of no model chunk");
+  // Every rank learns whether every rank took its part (weights that are
+  // not finite fail on the ranks that own them) before any writes.
+  absl::StatusOr<RankParts> parts = TakeRankParts(chunks);
+  RETURN_IF_ERROR(AgreeOverMesh(
+      *chunks.front()->process_group(), parts.status(), chunks.front()->shard_config().device,
+      absl::StrCat("the checkpoint in ", dir, " was not saved: another rank could not take its part of the weights")));
+  return SaveShardedCheckpoint(chunks, *std::move(parts), dir);
 }
 
 absl::StatusOr<RankParts> TakeRankParts(const std::vector<ShardedModel*>& chunks) {
@@ -230,7 +236,8 @@ absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, Ran
     return absl::OkStatus();
   };
   // The index exists when any rank returns OK.
-  return AgreeOverMesh(*pg, rank == 0 ? join_index() : absl::OkStatus(), device, peer_failed);
+  return AgreeOverMesh(*pg, rank == 0 ? join_index() : absl::OkStatus(), device,
+                       absl::StrCat("the checkpoint in ", dir, " was not saved: rank 0 could not write its index"));
 }
 
 absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir) {

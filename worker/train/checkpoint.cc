@@ -419,15 +419,16 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
   ProcessGroup* pg = model.process_group();
   const int rank = pg->rank(), world = pg->mesh().world_size();
   const std::string final_dir = StepDir(dir, step), tmp = StepTmpDir(dir, step, writer);
-  // Weights that are not finite fail the save here, before anything is
-  // created or any rank writes.
   // An aborted rank (given up on, perhaps: another job may own the
   // directory now) starts no save and removes nothing.
   RETURN_IF_ERROR(pg->Aborted());
-  ASSIGN_OR_RETURN(shardformer::RankParts parts, shardformer::TakeRankParts(chunks));
+  // Weights that are not finite (on a rank that owns parameters) fail the
+  // save here, before any rank writes: every rank learns of it in the
+  // first agreement, as of rank 0's failure to create the directory.
+  absl::StatusOr<shardformer::RankParts> parts = shardformer::TakeRankParts(chunks);
   std::error_code ec;
-  absl::Status made = absl::OkStatus();
-  if (rank == 0) {
+  absl::Status made = parts.status();
+  if (rank == 0 && made.ok()) {
     // Crashed or abandoned attempts, this one's included, before this
     // checkpoint takes room of its own.
     RemoveStaleTmpDirs(dir, writer);
@@ -450,9 +451,11 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
     fs::remove_all(tmp, rm);
   };
   const Device& device = model.shard_config().device;
-  RETURN_IF_ERROR(
-      AgreeOverMesh(*pg, made, device,
-                    absl::StrCat("the checkpoint of step ", step, " was not saved: rank 0 could not create ", tmp)));
+  RETURN_IF_ERROR(AgreeOverMesh(*pg, made, device,
+                                absl::StrCat("the checkpoint of step ", step,
+                                             " was not saved: another rank could not take its part of the weights, "
+                                             "or rank 0 could not create ",
+                                             tmp)));
   // Each rank writes its parts, and every rank learns whether all could
   // (AgreeOverMesh, in SaveShardedCheckpoint and here): a rank that could
   // not fails with its own error, the others with one that follows from it
@@ -460,7 +463,7 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
   // removes the directory, while another still writes there (its write
   // would fail too, "No such file or directory", perhaps first).
   if (const std::function<void(ProcessGroup&, const std::string&)> hook = BeforeWriteSeam().Get()) hook(*pg, tmp);
-  RETURN_IF_ERROR(shardformer::SaveShardedCheckpoint(chunks, std::move(parts), tmp));
+  RETURN_IF_ERROR(shardformer::SaveShardedCheckpoint(chunks, *std::move(parts), tmp));
   const auto write_state = [&]() -> absl::Status {
     std::vector<std::pair<std::string, Tensor>> state;
     std::set<std::string> written;

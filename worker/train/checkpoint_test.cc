@@ -522,9 +522,13 @@ TEST(Checkpoints, ARankThatCannotWriteItsPartFailsTheSaveWithItsOwnErrorItsPeers
   EXPECT_FALSE(ends[0].ok());
   EXPECT_FALSE(IsPeerCaused(ends[0])) << ends[0];
   EXPECT_TRUE(absl::StrContains(ends[0].message(), fs::path(blocked).filename().string())) << ends[0];
+  // Rank 1 learns of it in the agreement, or (where rank 0 got through the
+  // agreement first and its end aborted the others) from rank 0's abort.
   EXPECT_EQ(ends[1].code(), absl::StatusCode::kAborted) << ends[1];
-  EXPECT_TRUE(IsPeerCaused(ends[1])) << ends[1];
-  EXPECT_TRUE(absl::StrContains(ends[1].message(), "another rank could not write its part")) << ends[1];
+  EXPECT_TRUE(
+      (IsPeerCaused(ends[1]) && absl::StrContains(ends[1].message(), "another rank could not write its part")) ||
+      absl::StrContains(ends[1].message(), "rank 0 failed: "))
+      << ends[1];
   EXPECT_EQ(s.code(), ends[0].code()) << s;
   EXPECT_TRUE(absl::StartsWith(s.message(), "rank 0: ")) << s;
   EXPECT_EQ(Entries(o.save_dir), (std::set<std::string>{"step-000001"}));
