@@ -192,7 +192,7 @@ void Scheduler::Tick() {
             absl::StrCat(RankName(p.mesh, a.rank()), " was lost: ", workers_->LostReason(a.worker_id()));
         if (p.state == PlacementState::kRunning && !p.drain_reason.empty()) {
           // Its peers drained, so it had saved the drain's checkpoint with
-          // them (they passed the save's last barrier): its end was not
+          // them (they passed the save's last agreement): its end was not
           // delivered before its worker left. The drain's own check decides.
           if (p.AllEnded()) EndDrainLocked(p, absl::StrCat("; ", lost));
           continue;
@@ -622,7 +622,7 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report, 
     }
     case v1::ReportProgressRequest::kStep:
       // A trained step is recorded while the placement stops too: its
-      // checkpoint may be on disk (a save fails at its last barrier when a
+      // checkpoint may be on disk (a save fails at its last agreement when a
       // peer died) and the restart resume after it. Once, as every step;
       // nothing once the job ended.
       (void)jobs_->AddStep(p.job_id, report.step());

@@ -256,7 +256,7 @@ class Scheduler {
     // the others stop on their own after saving the same step, and the job
     // is placed again once every rank ended (requeue_reason), or once
     // Options::stop_grace passed (the rest aborted). Not aborted at once:
-    // an abort could end a rank in the save's last barrier, and its step
+    // an abort could end a rank in the save's last agreement, and its step
     // go unreported.
     std::string drain_reason;
     absl::Time drained_at = absl::InfiniteFuture();

@@ -101,11 +101,11 @@ absl::Status AgreeOverMesh(ProcessGroup& pg, const absl::Status& mine, const Dev
       any.ok() ? any->ReadFloats() : absl::StatusOr<std::vector<float>>(any.status());
   if (!mine.ok()) return mine;
   RETURN_IF_ERROR(agreed.status());
-  // A communicator that failed or was aborted (NCCL: the stream ran past
-  // the collective) leaves this rank's own flag in place, not the mesh's.
-  RETURN_IF_ERROR(pg.AsyncError());
+  // A 1 comes only from a peer that failed (a peer's abort may follow it).
   if (agreed->empty() || (*agreed)[0] != 0) return MarkPeerCaused(absl::AbortedError(peer_failed));
-  return absl::OkStatus();
+  // A communicator that failed or was aborted (NCCL: the stream ran past
+  // the collective) leaves this rank's own 0 in place, not the mesh's.
+  return pg.AsyncError();
 }
 
 }  // namespace colod

@@ -206,11 +206,14 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
   // A file system call: made unlocked, and said once the rank is known to
   // be a new one (the same assignment again is its running rank's).
   const absl::Status room = req.spec().kind() != v1::JOB_KIND_TENSOR ? CheckWorkDirRoom() : absl::OkStatus();
-  // The same assignment again (a retry of a call whose answer was lost) is
-  // the running rank's, or the ended one's: never started twice.
-  const auto same = [&req](const v1::AssignJobRequest& now) {
-    return now.job_id() == req.job_id() && now.generation() == req.generation() && now.rank() == req.rank();
+  // The same assignment again (a duplicate delivery) is the running rank's,
+  // or the ended one's, whose end was reported: never started twice. Its
+  // job's uid too: a coordinator whose data dir was lost numbers its jobs
+  // from job-000001 again.
+  const auto key = [](const v1::AssignJobRequest& r) {
+    return std::make_tuple(r.job_id(), r.job_uid(), r.generation(), r.rank());
   };
+  const auto same = [&](const v1::AssignJobRequest& now) { return key(now) == key(req); };
   absl::MutexLock lock(&mu_);
   if (active_ && active_->end_reported && !same(active_->request)) {
     // The coordinator heard of its end and may place the next rank here at
@@ -225,6 +228,7 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
     return absl::FailedPreconditionError(
         absl::StrCat("this worker takes no rank: ", device_lost_.message(), "; it is restarting"));
   }
+  if (!active_ && last_ended_ == key(req)) return absl::OkStatus();  // it ran here and ended
   if (active_) {
     const v1::AssignJobRequest& now = active_->request;
     if (same(now)) return absl::OkStatus();
@@ -377,7 +381,7 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
   // whose code decides whether the job restarts and which rank the job's
   // reason names.
   // A drained rank ended on its own, as its peers do: it ends as one that
-  // succeeded (its peers may still be in the drain's last barrier).
+  // succeeded (its peers may still be in the drain's save's last agreement).
   const bool succeeded = s.ok() || IsDrained(s);
   const auto end_rank = [&active, succeeded] {
     std::shared_ptr<ProcessGroup> pg;
@@ -442,6 +446,7 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
                                kMaxReportedMessageBytes);
     }
     if (!device.ok()) device_lost_ = device;
+    last_ended_ = std::make_tuple(req.job_id(), req.job_uid(), req.generation(), req.rank());
     active_.reset();
   }
   if (!device.ok()) {

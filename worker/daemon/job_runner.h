@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -93,8 +94,10 @@ class JobRunner {
   // Starts the rank. INVALID_ARGUMENT for a request that does not describe
   // a rank of a TRAIN, FORWARD or TENSOR job (missing mesh, rank out of range, ...),
   // FAILED_PRECONDITION while another job's rank runs, or once the device
-  // is lost (Options::on_device_lost); a repeated
-  // assignment of the rank that runs is OK (the coordinator retried).
+  // is lost (Options::on_device_lost). The same assignment again (job, uid,
+  // generation and rank: a duplicate delivery) of the rank that runs, or of
+  // the one that last ended here, is OK and starts nothing: a rank never
+  // runs twice (its end, reported, says how it ended).
   absl::Status Assign(const v1::AssignJobRequest& request);
   // Stops the job's rank: NOT_FOUND unless it runs that job, ABORTED for an
   // older generation than the one that runs.
@@ -184,6 +187,9 @@ class JobRunner {
   std::thread thread_ ABSL_GUARDED_BY(mu_);
   std::string last_error_ ABSL_GUARDED_BY(mu_);
   absl::Status device_lost_ ABSL_GUARDED_BY(mu_);  // OK while the device is usable
+  // The last rank that ended here (job, uid, generation, rank): never
+  // started again by a repeat of its assignment.
+  std::optional<std::tuple<std::string, std::string, int64_t, int>> last_ended_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace colod

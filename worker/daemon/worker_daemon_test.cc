@@ -761,6 +761,21 @@ TEST(WorkerDaemon, AnErrorAboutTheModelNamesTheSpecsModelNotTheScratchCopy) {
   const std::string error = runner.Status().last_error();
   EXPECT_TRUE(absl::StrContains(error, " is text and " + model->dir + " has no tokenizer")) << error;
   EXPECT_FALSE(absl::StrContains(error, ro.work_dir)) << error;
+  // The same assignment again (a duplicate delivery) starts nothing: the
+  // worker stays idle. The job's next generation runs, and so does the same
+  // id's of another coordinator (another uid).
+  EXPECT_TRUE(runner.Assign(RankZero("job-535353", spec)).ok());
+  EXPECT_EQ(runner.Status().state(), v1::WORKER_STATE_IDLE);
+  v1::AssignJobRequest next = RankZero("job-535353", spec);
+  next.set_generation(next.generation() + 1);
+  ASSERT_TRUE(runner.Assign(next).ok());
+  EXPECT_EQ(runner.Status().state(), v1::WORKER_STATE_BUSY);
+  ASSERT_TRUE(runner.WaitIdle(absl::Seconds(60)));
+  v1::AssignJobRequest other = next;
+  other.set_job_uid("00000000000000ab");
+  ASSERT_TRUE(runner.Assign(other).ok());
+  EXPECT_EQ(runner.Status().state(), v1::WORKER_STATE_BUSY);
+  ASSERT_TRUE(runner.WaitIdle(absl::Seconds(60)));
 }
 
 // A worker whose --work-dir has less room than --min-free-work-dir refuses

@@ -51,12 +51,15 @@ struct RankParts {
 // the first element that is not finite (an update that overflowed, its
 // step's loss and gradients finite): such weights are never saved, since a
 // restart would resume from them and retention would drop the good
-// checkpoints. A caller whose failure removes a directory its peers write
-// into (a training checkpoint) takes them before anything is created, so
-// that this cause, not a peer's write into the removed directory, is the
-// one that fails the save.
+// checkpoints. Only the ranks that write a parameter check it: the mesh
+// agrees on every rank's outcome (AgreeOverMesh) before any rank writes.
 absl::StatusOr<RankParts> TakeRankParts(const std::vector<ShardedModel*>& chunks);
-// SaveShardedCheckpoint of parts TakeRankParts took from the same chunks.
+// SaveShardedCheckpoint of parts TakeRankParts took from the same chunks,
+// once every rank of the mesh agreed that every rank took its parts
+// (AgreeOverMesh of TakeRankParts' status: a rank that returned on its
+// error would leave its peers waiting in this one's agreements). Each
+// step's writes end in an agreement: a rank that could not write fails with
+// its own error, the others ABORTED marked IsPeerCaused.
 absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, RankParts parts, const std::string& dir);
 
 // Assembles the sharded checkpoint in `dir` into `out_dir` (created if

@@ -8,8 +8,10 @@
 // train_state.json (the step, the optimizer's step count, the sampler's
 // seed, the layout, and the job and generation that wrote it). Ranks write
 // into step-000005.[JOB.]gen-G.tmp (StepTmpDir: the coordinator's job and
-// generation; gen-0 for a run outside a coordinator); after a barrier rank
-// 0 writes train_state.json, checks every rank's files, and moves the
+// generation; gen-0 for a run outside a coordinator); once every rank
+// agreed that every rank wrote its part (AgreeOverMesh: a rank that could
+// not fails with its own error, the others with one marked IsPeerCaused),
+// rank 0 writes train_state.json, checks every rank's files, and moves the
 // directory into place, so a crash mid-write leaves the .tmp directory
 // behind and the previous checkpoint whole. A generation writes only its own
 // temporary directory, so a rank of an earlier generation that the
@@ -205,7 +207,7 @@ void SetCheckpointExchangeHookForTesting(std::function<int(int exchange)> hook);
 void SetCheckpointBeforeInstallHookForTesting(std::function<void(ProcessGroup&)> hook);
 // Testing only: hook(pg, tmp) runs on every rank of a save just before it
 // writes its part into the temporary directory `tmp` (every rank passed the
-// save's first barrier). An empty function removes it. Thread-safe, as the
+// save's first agreement). An empty function removes it. Thread-safe, as the
 // exchange's.
 void SetCheckpointBeforeWriteHookForTesting(std::function<void(ProcessGroup&, const std::string& tmp)> hook);
 }  // namespace internal

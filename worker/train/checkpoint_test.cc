@@ -206,7 +206,7 @@ TEST(Retention, ATrainingRunKeepsItsNewestAndBestAndAFullDiskLosesNothing) {
   }
   EXPECT_FALSE(full.ok());
   // Step 7 trained and is reported, naming no checkpoint: a save that fails
-  // after rank 0 put it in place (a peer stopped at the last barrier) would
+  // after rank 0 put it in place (a peer stopped at the last agreement) would
   // otherwise leave a hole in the job's history.
   ASSERT_EQ(unsaved.size(), 1u) << full;
   EXPECT_EQ(unsaved[0].step, 7);

@@ -920,14 +920,14 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
           CheckpointWriter{.job = o.job, .generation = o.generation}, rank == 0 ? StepReportJson(s) : "");
       if (!saved.ok()) {
         // The step trained, and its checkpoint may be whole on disk all the
-        // same (rank 0 renames it into place before the save's last barrier,
+        // same (rank 0 renames it into place before the save's last agreement,
         // which a peer that was stopped fails), so that a restart resumes
         // after it: the step is reported, or the job's history would lack it.
         if (hooks.on_step) hooks.on_step(s);
         return saved;
       }
       s.checkpoint = StepDir(o.save_dir, step + 1);
-      // The checkpoint is complete on every rank (the save's last barrier);
+      // The checkpoint is complete on every rank (the save's last agreement);
       // a rank aborted since then removes nothing (another job or generation
       // may own the directory now).
       if (rank == 0 && pg.Aborted().ok()) {
