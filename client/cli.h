@@ -145,9 +145,10 @@ int ExitForJob(const v1::Job& job);
 // tokens_per_second, param_bytes, grad_bytes and optimizer_bytes; first
 // "coloctl: resuming from DIR" on stderr where the step says it resumed.
 void PrintStep(const v1::StepProgress& step, int64_t steps, bool json);
-// After a train run that succeeded with a --final DIR: that the model was
-// written there, or, for a time-boxed run (stop_after < steps), that none was.
-void PrintFinalModel(const std::string& final_dir, int64_t steps, int64_t stop_after);
+// After a train run that succeeded: for a time-boxed run (stop_after <
+// steps), where its stop's checkpoint is and how to go on; else, with a
+// --final DIR, that the model was written there.
+void PrintRunEnd(const std::string& final_dir, const std::string& save_dir, int64_t steps, int64_t stop_after);
 // A forward pass's result as `forward` prints it (`images`: an image
 // classifier's, whose loss needs labels; `logits_path`: where the logits were
 // written, if anywhere). Returns the exit code.

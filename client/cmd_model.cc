@@ -149,8 +149,8 @@ int TrainOnCluster(v1::JobSpec spec, bool json, const std::string& address) {
                           [&](const v1::StepProgress& p) { PrintStep(p, spec.train().steps(), json); });
   if (!ended.ok()) return Fail(ended.status());
   const v1::TrainConfig& t = spec.train();
-  if (ended->state() == v1::JOB_STATE_SUCCEEDED && !t.final_dir().empty() && !json) {
-    PrintFinalModel(t.final_dir(), t.steps(), t.stop_after());
+  if (ended->state() == v1::JOB_STATE_SUCCEEDED && !json) {
+    PrintRunEnd(t.final_dir(), t.checkpoint_dir(), t.steps(), t.stop_after());
   }
   return ExitForJob(*ended);
 }

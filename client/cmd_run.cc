@@ -137,7 +137,7 @@ int RunTrainOnGpus(const std::vector<std::string>&) {
   const absl::Status s = train::Train(
       o, [&](const train::StepStats& st) { PrintStep(train::StepProgressOf(st), o.steps, json); });
   if (!s.ok()) return Fail(s);
-  if (!o.final_dir.empty() && !json) PrintFinalModel(o.final_dir, o.steps, o.stop_after);
+  if (!json) PrintRunEnd(o.final_dir, o.save_dir, o.steps, o.stop_after);
   return 0;
 }
 

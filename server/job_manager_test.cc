@@ -131,6 +131,17 @@ TEST(ValidateJobSpec, RejectsBadFieldsByName) {
   s.mutable_shard()->set_data_parallel_size(4);
   ExpectInvalid(s, "spec.train.batch_size");
 
+  // A stop before the last step keeps its steps in its checkpoint alone.
+  s = TrainSpec();
+  s.mutable_train()->set_steps(10);
+  s.mutable_train()->set_stop_after(4);
+  ExpectInvalid(s, "spec.train.checkpoint_dir");
+  s.mutable_train()->set_checkpoint_dir("/tmp/ck");
+  EXPECT_TRUE(ValidateJobSpec(s).ok()) << ValidateJobSpec(s);
+  s.mutable_train()->set_checkpoint_dir("");
+  s.mutable_train()->set_stop_after(10);  // a whole run
+  EXPECT_TRUE(ValidateJobSpec(s).ok()) << ValidateJobSpec(s);
+
   // A micro-batch a replica must split into the layout's batch blocks: q
   // in 2d, q * depth in 2.5d, q * q in 3d (dp = 2 here).
   struct Blocks {

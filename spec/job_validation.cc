@@ -151,6 +151,13 @@ absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shar
     return Invalid(path, "min_learning_rate", "must be in [0, learning_rate]");
   }
   if (t.stop_after() < 0) return Invalid(path, "stop_after", "must be >= 0");
+  if (t.stop_after() > 0 && t.stop_after() < t.steps() && !t.eval_only() && t.checkpoint_dir().empty()) {
+    return Invalid(
+        path, "checkpoint_dir",
+        absl::StrCat("required with stop_after ", t.stop_after(), " (before the run's last step, ", t.steps(),
+                     "): the stop's checkpoint keeps the steps trained, for a resume (coloctl: "
+                     "--save DIR)"));
+  }
   if (t.eval_only() && !t.final_dir().empty()) {
     return Invalid(path, "final_dir", "an eval_only run trains nothing and writes no model: leave it empty");
   }

@@ -64,6 +64,16 @@ absl::StatusOr<int64_t> TokenId(const Json& j, const std::string& what, const st
   return v.get<int64_t>();
 }
 
+// A field transformers reads that changes the weights or what they compute,
+// which colod does not implement: refused where given anything but `as`
+// (what colod computes with) or null, since the model would otherwise load
+// and compute another one without a word.
+absl::Status OnlyAs(const Json& j, const std::string& what, const std::string& field, const Json& as,
+                    const std::string& why) {
+  if (!j.contains(field) || j[field].is_null() || j[field] == as) return absl::OkStatus();
+  return Field(what, field, absl::StrCat(j[field].dump().substr(0, 200), " is not supported: ", why));
+}
+
 absl::StatusOr<std::string> Str(const Json& j, const std::string& field, const std::string& fallback) {
   if (!j.contains(field) || j[field].is_null()) return fallback;
   if (!j[field].is_string()) return absl::InvalidArgumentError(absl::StrCat(field, " must be a string"));
@@ -87,7 +97,11 @@ absl::Status ParseGpt2Config(const Json& j, const std::string& what, ModelConfig
   ASSIGN_OR_RETURN(c.norm_eps, Num(j, what, "layer_norm_epsilon", 1e-5));
   ASSIGN_OR_RETURN(c.activation, Str(j, "activation_function", "gelu_new"));
   c.num_kv_heads = c.num_heads;
-  c.tie_word_embeddings = true;  // GPT2LMHeadModel always ties lm_head to wte
+  RETURN_IF_ERROR(OnlyAs(j, what, "tie_word_embeddings", true, "colod's GPT-2 head is the token embedding (wte)"));
+  c.tie_word_embeddings = true;
+  RETURN_IF_ERROR(OnlyAs(j, what, "scale_attn_weights", true, "attention scores are scaled by 1/sqrt(head_dim)"));
+  RETURN_IF_ERROR(OnlyAs(j, what, "scale_attn_by_inverse_layer_idx", false,
+                         "attention scores are not scaled by the layer's index"));
   return absl::OkStatus();
 }
 
@@ -104,6 +118,19 @@ absl::Status ParseLlamaConfig(const Json& j, const std::string& what, ModelConfi
   ASSIGN_OR_RETURN(c.rope_theta, Num(j, what, "rope_theta", 10000));
   ASSIGN_OR_RETURN(c.activation, Str(j, "hidden_act", "silu"));
   ASSIGN_OR_RETURN(c.tie_word_embeddings, Bool(j, what, "tie_word_embeddings", false));
+  RETURN_IF_ERROR(OnlyAs(j, what, "rope_scaling", nullptr,
+                         "rotary embeddings are computed unscaled (Llama 3.1 and later scale them)"));
+  RETURN_IF_ERROR(OnlyAs(j, what, "attention_bias", false, "colod's LLaMA projections have no biases"));
+  RETURN_IF_ERROR(OnlyAs(j, what, "mlp_bias", false, "colod's LLaMA projections have no biases"));
+  if (j.contains("head_dim") && !j["head_dim"].is_null() &&
+      !(j["head_dim"].is_number_integer() && j["head_dim"].get<int64_t>() > 0 &&
+        CheckedMul(j["head_dim"].get<int64_t>(), c.num_heads) == std::optional<int64_t>(c.hidden_size))) {
+    return Field(what, "head_dim",
+                 absl::StrCat(j["head_dim"].dump().substr(0, 40),
+                              " is not supported: a head is hidden_size / "
+                              "num_attention_heads wide (",
+                              c.hidden_size, " / ", c.num_heads, ")"));
+  }
   return absl::OkStatus();
 }
 
@@ -119,7 +146,10 @@ absl::Status ParseBertConfig(const Json& j, const std::string& what, ModelConfig
   ASSIGN_OR_RETURN(c.norm_eps, Num(j, what, "layer_norm_eps", 1e-12));
   ASSIGN_OR_RETURN(c.activation, Str(j, "hidden_act", "gelu"));
   c.num_kv_heads = c.num_heads;
-  c.tie_word_embeddings = true;  // BertForMaskedLM ties the decoder to the word embeddings
+  RETURN_IF_ERROR(OnlyAs(j, what, "tie_word_embeddings", true,
+                         "colod's BERT decoder is the word embedding (BertForMaskedLM ties them)"));
+  c.tie_word_embeddings = true;
+  RETURN_IF_ERROR(OnlyAs(j, what, "position_embedding_type", "absolute", "positions are learned absolute ones"));
   return absl::OkStatus();
 }
 
@@ -225,9 +255,11 @@ absl::Status ParseT5Config(const Json& j, const std::string& what, ModelConfig& 
   if (c.relative_buckets < 4 || c.relative_buckets > 4096) {
     return Field(what, "relative_attention_num_buckets", "must be in [4, 4096]");
   }
-  if (c.relative_max_distance <= c.relative_buckets / 4) {
+  // The decoder's buckets are one-way: half of them exact (the encoder's,
+  // two-way, a quarter); the log bucket divides by log(max_distance / exact).
+  if (c.relative_max_distance <= c.relative_buckets / 2) {
     return Field(what, "relative_attention_max_distance",
-                 "must exceed the exact buckets (a quarter of relative_attention_num_buckets)");
+                 "must exceed the decoder's exact buckets (half of relative_attention_num_buckets)");
   }
   if (!CheckedMul(c.num_heads, c.kv_dim).has_value()) {
     return Field(what, "d_kv", absl::StrCat("times num_heads ", c.num_heads, " overflows"));

@@ -15,7 +15,8 @@ namespace {
 
 TEST(ModelConfig, ParsesGpt2LlamaAndBert) {
   auto gpt2 = ParseModelConfig(R"({"model_type":"gpt2","vocab_size":50257,"n_positions":1024,"n_embd":768,
-      "n_layer":12,"n_head":12,"n_inner":null,"layer_norm_epsilon":1e-05,"activation_function":"gelu_new"})");
+      "n_layer":12,"n_head":12,"n_inner":null,"layer_norm_epsilon":1e-05,"activation_function":"gelu_new",
+      "scale_attn_weights":true,"scale_attn_by_inverse_layer_idx":false,"tie_word_embeddings":true})");
   ASSERT_TRUE(gpt2.ok()) << gpt2.status();
   EXPECT_EQ(gpt2->hidden_size, 768);
   EXPECT_EQ(gpt2->intermediate_size, 3072);  // n_inner null: 4 * n_embd
@@ -23,13 +24,15 @@ TEST(ModelConfig, ParsesGpt2LlamaAndBert) {
   EXPECT_TRUE(gpt2->tie_word_embeddings);
   auto llama = ParseModelConfig(R"({"model_type":"llama","vocab_size":32000,"hidden_size":4096,
       "intermediate_size":11008,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,
-      "rms_norm_eps":1e-05,"rope_theta":500000.0,"tie_word_embeddings":false,"hidden_act":"silu"})");
+      "rms_norm_eps":1e-05,"rope_theta":500000.0,"tie_word_embeddings":false,"hidden_act":"silu",
+      "rope_scaling":null,"attention_bias":false,"mlp_bias":false,"head_dim":128})");
   ASSERT_TRUE(llama.ok()) << llama.status();
   EXPECT_EQ(llama->num_kv_heads, 8);
   EXPECT_EQ(llama->rope_theta, 500000.0);
   EXPECT_FALSE(llama->tie_word_embeddings);
   auto bert = ParseModelConfig(R"({"model_type":"bert","vocab_size":30522,"hidden_size":768,
-      "num_hidden_layers":12,"num_attention_heads":12,"intermediate_size":3072,"type_vocab_size":2})");
+      "num_hidden_layers":12,"num_attention_heads":12,"intermediate_size":3072,"type_vocab_size":2,
+      "position_embedding_type":"absolute","tie_word_embeddings":true})");
   ASSERT_TRUE(bert.ok()) << bert.status();
   EXPECT_EQ(bert->norm_eps, 1e-12);
 }
@@ -297,8 +300,31 @@ TEST(ModelConfig, ErrorsNameTheField) {
                "num_heads":4})",
             "d_kv times num_heads 4 overflows"},
            {R"({"model_type":"t5","vocab_size":10,"d_model":16,"d_kv":4,"d_ff":32,"num_layers":2,"num_heads":4,
-               "relative_attention_num_buckets":32,"relative_attention_max_distance":8})",
-            "relative_attention_max_distance must exceed the exact buckets"},
+               "relative_attention_num_buckets":32,"relative_attention_max_distance":16})",
+            "relative_attention_max_distance must exceed the decoder's exact buckets"},
+           // What transformers reads and colod does not compute: refused, not ignored.
+           {R"({"model_type":"llama","vocab_size":10,"hidden_size":16,"intermediate_size":32,"num_hidden_layers":2,
+               "num_attention_heads":4,"rope_scaling":{"rope_type":"llama3","factor":8.0}})",
+            "rope_scaling {\"factor\":8.0,\"rope_type\":\"llama3\"} is not supported: rotary embeddings are computed "
+            "unscaled"},
+           {R"({"model_type":"llama","vocab_size":10,"hidden_size":16,"intermediate_size":32,"num_hidden_layers":2,
+               "num_attention_heads":4,"attention_bias":true})",
+            "attention_bias true is not supported"},
+           {R"({"model_type":"llama","vocab_size":10,"hidden_size":16,"intermediate_size":32,"num_hidden_layers":2,
+               "num_attention_heads":4,"mlp_bias":true})",
+            "mlp_bias true is not supported"},
+           {R"({"model_type":"llama","vocab_size":10,"hidden_size":16,"intermediate_size":32,"num_hidden_layers":2,
+               "num_attention_heads":4,"head_dim":8})",
+            "head_dim 8 is not supported: a head is hidden_size / num_attention_heads wide (16 / 4)"},
+           {R"({"model_type":"gpt2","vocab_size":10,"n_positions":8,"n_embd":16,"n_layer":2,"n_head":4,
+               "tie_word_embeddings":false})",
+            "tie_word_embeddings false is not supported"},
+           {R"({"model_type":"gpt2","vocab_size":10,"n_positions":8,"n_embd":16,"n_layer":2,"n_head":4,
+               "scale_attn_by_inverse_layer_idx":true})",
+            "scale_attn_by_inverse_layer_idx true is not supported"},
+           {R"({"model_type":"bert","vocab_size":10,"hidden_size":16,"intermediate_size":32,"num_hidden_layers":2,
+               "num_attention_heads":4,"position_embedding_type":"relative_key"})",
+            "position_embedding_type \"relative_key\" is not supported"},
            {R"({"model_type":"t5","vocab_size":10,"d_model":16,"d_kv":4,"d_ff":32,"num_layers":2,"num_heads":4,
                "decoder_start_token_id":10})",
             "decoder_start_token_id must be a token id in [0, vocab_size 10)"},

@@ -148,8 +148,8 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
   EXPECT_EQ(odd_3d.code, 1);
   EXPECT_NE(odd_3d.err.find("must divide into 4 blocks"), std::string::npos) << odd_3d.err;
 
-  // Saved every 2 steps and stopped after 3; resumed, steps 3 (from the
-  // step-2 checkpoint), 4 and 5 repeat the uninterrupted losses.
+  // Saved every 2 steps and stopped after 3, which saves step 3 too;
+  // resumed, steps 4 and 5 repeat the uninterrupted losses.
   std::vector<std::string> cut = single;
   cut.insert(cut.end(), {"--save", TempPath("ck"), "--save-every", "2", "--stop-after", "3"});
   const auto c = Coloctl(cut);
@@ -159,16 +159,23 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
   resume.insert(resume.end(), {"--resume", TempPath("ck")});
   const auto r = Coloctl(resume);
   ASSERT_EQ(r.code, 0) << r.err;
-  EXPECT_NE(r.err.find("resuming from " + TempPath("ck") + "/step-000002"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("resuming from " + TempPath("ck") + "/step-000003"), std::string::npos) << r.err;
   const auto lr = Lines(r.out);
-  ASSERT_EQ(lr.size(), 3u) << r.out;
-  for (size_t i = 0; i < 3; ++i) {
-    EXPECT_EQ(lr[i]["step"], i + 3);
-    EXPECT_EQ(lr[i]["loss"], la[i + 2]["loss"]);
+  ASSERT_EQ(lr.size(), 2u) << r.out;
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(lr[i]["step"], i + 4);
+    EXPECT_EQ(lr[i]["loss"], la[i + 3]["loss"]);
   }
+  // Without --save, a stop before the last step would keep nothing.
+  std::vector<std::string> unsaved = single;
+  unsaved.insert(unsaved.end(), {"--stop-after", "3"});
+  const auto u = Coloctl(unsaved);
+  EXPECT_EQ(u.code, 2) << u.err;
+  EXPECT_NE(u.err.find("required with stop_after 3"), std::string::npos) << u.err;
   // Resumed at its last step (--steps 2, the step-2 checkpoint): nothing to
   // train; it says where it resumed all the same, and succeeds.
   std::vector<std::string> done = resume;
+  done.back() = TempPath("ck") + "/step-000002";
   done[6] = "2";  // --steps 2
   const auto d = Coloctl(done);
   ASSERT_EQ(d.code, 0) << d.err;
@@ -178,7 +185,8 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
   const auto whole_dir = Coloctl({"consolidate", "--checkpoint", TempPath("ck"), "--out", TempPath("ck_hf")});
   EXPECT_EQ(whole_dir.code, 2) << whole_dir.err;
   EXPECT_NE(whole_dir.err.find("holds training checkpoints, one a step: give one of them, e.g. its newest, "
-                               "--checkpoint " + TempPath("ck") + "/step-000002"),
+                               "--checkpoint " +
+                               TempPath("ck") + "/step-000003"),
             std::string::npos)
       << whole_dir.err;
 

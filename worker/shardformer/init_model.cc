@@ -40,7 +40,9 @@ class Tensors {
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
     if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create '", dir, "': ", ec.message()));
-    RETURN_IF_ERROR(WriteSafetensors(dir + "/model.safetensors", tensors_));
+    // {"format": "pt"}, as consolidation writes: transformers' loader of
+    // some releases reads the metadata's format without a check for none.
+    RETURN_IF_ERROR(WriteSafetensors(dir + "/model.safetensors", tensors_, {{"format", "pt"}}));
     return WriteFileAtomically(dir + "/config.json", config + "\n");
   }
 

@@ -55,6 +55,9 @@ TEST(InitModel, LlamaHasTheFamilysNamesShapesAndInitialization) {
   auto file = SafetensorsFile::Open(dir + "/model.safetensors");
   ASSERT_TRUE(file.ok()) << file.status();
   EXPECT_EQ((*file)->tensors().size(), 2u + 2 * 9 + 1);
+  // transformers' loader of some releases needs the format in the metadata.
+  ASSERT_EQ((*file)->metadata().count("format"), 1u);
+  EXPECT_EQ((*file)->metadata().at("format"), "pt");
   const std::pair<const char*, Shape> weights[] = {
       {"model.embed_tokens.weight", {300, 64}},        {"model.layers.1.self_attn.q_proj.weight", {64, 64}},
       {"model.layers.1.self_attn.k_proj.weight", {16, 64}}, {"model.layers.1.self_attn.v_proj.weight", {16, 64}},

@@ -8,7 +8,7 @@
 // train_state.json (the step, the optimizer's step count, the sampler's
 // seed, the layout, and the job and generation that wrote it). Ranks write
 // into step-000005.[JOB.]gen-G.tmp (StepTmpDir: the coordinator's job and
-// generation; gen-0 for a run outside a coordinator); once every rank
+// generation; local-ID.gen-0 for a run outside a coordinator); once every rank
 // agreed that every rank wrote its part (AgreeOverMesh: a rank that could
 // not fails with its own error, the others with one marked IsPeerCaused),
 // rank 0 writes train_state.json, checks every rank's files, and moves the
@@ -61,8 +61,9 @@ namespace colod::train {
 std::string StepDir(const std::string& dir, int64_t step);
 
 // Who writes a checkpoint: the coordinator's job and generation
-// (TrainOptions::job, generation), or no job and generation 0 for a run
-// outside a coordinator.
+// (TrainOptions::job, generation), or, for a run outside a coordinator, an
+// id of that run alone ("local-" and 16 hex digits) and generation 0
+// (before 2026-12 no job: every such run was one writer).
 struct CheckpointWriter {
   std::string job;  // letters, digits, '-' and '_', at most 128 (it names a directory)
   int64_t generation = 0;
@@ -117,7 +118,7 @@ struct CheckpointInfo {
   int64_t step = 0;
   std::optional<double> eval_loss;  // the held-out evaluation of its step, if one ran
   int64_t bytes = 0;                // its files' sizes
-  std::string job;                  // its writer (CheckpointWriter::job; "" outside a coordinator)
+  std::string job;  // its writer (CheckpointWriter::job; "" of a run outside a coordinator before 2026-12)
 };
 
 // The checkpoints under `dir` whose train_state.json reads (rank 0 writes it
@@ -175,7 +176,7 @@ absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& 
 struct Resumed {
   int64_t step = 0;  // steps done; training continues with step + 1
   uint64_t seed = 0;
-  std::string job;  // its writer (CheckpointWriter::job; "" outside a coordinator)
+  std::string job;     // its writer (CheckpointWriter::job; "" of a run outside a coordinator before 2026-12)
   std::string report;  // SaveTrainingCheckpoint's report (a JSON object's text), or ""
 };
 // The step, seed and writer a checkpoint records.

@@ -9,10 +9,12 @@
 #include <filesystem>
 #include <limits>
 #include <optional>
+#include <random>
 #include <type_traits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/atomic_file.h"
@@ -249,6 +251,16 @@ struct EvalPlan {
   int64_t labels = 0;               // labelled positions over all of them
 };
 
+// A run outside a coordinator writes as "local-" and 16 random hex digits,
+// its own: retention counts a writer's checkpoints as the run's, so runs
+// that shared one name (all of them, until 2026-12) pruned each other's
+// checkpoints in a directory they shared, the one a run resumed from too.
+CheckpointWriter LocalRunWriter() {
+  std::random_device random;
+  const uint64_t id = (uint64_t{random()} << 32) ^ random() ^ static_cast<uint64_t>(absl::GetCurrentTimeNanos());
+  return CheckpointWriter{.job = absl::StrFormat("local-%016x", id), .generation = 0};
+}
+
 }  // namespace
 
 struct PreparedTrain {
@@ -257,6 +269,9 @@ struct PreparedTrain {
   std::string resumed_writer;  // its writer, whose checkpoints retention counts as this run's
   std::vector<std::string> skipped;  // newer checkpoints passed over as damaged, and why
   bool resumed_named = false;  // resume_dir is the checkpoint itself (DIR/step-N), not a directory of them
+  // Who writes this run's checkpoints: the job and generation, or, outside a
+  // coordinator (no job), an id of this run alone (LocalRunWriter).
+  CheckpointWriter writer;
   uint64_t seed = 0;
   std::unique_ptr<TrainData> data;
   std::optional<EvalPlan> eval;
@@ -326,6 +341,12 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   }
   if (o.keep_last < 0) return absl::InvalidArgumentError(absl::StrCat("keep_last ", o.keep_last, " must be >= 0"));
   RETURN_IF_ERROR((CheckpointWriter{.job = o.job, .generation = o.generation}.Check()));
+  if (o.stop_after < 0) return absl::InvalidArgumentError(absl::StrCat("stop_after ", o.stop_after, " must be >= 0"));
+  if (o.stop_after > 0 && o.stop_after < o.steps && !o.eval_only && o.save_dir.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stop_after ", o.stop_after, " ends the run before its last step (", o.steps,
+                     "): it needs checkpoint_dir, where the stop's checkpoint keeps the steps trained for --resume"));
+  }
   if ((o.keep_last > 0 || o.keep_best) && (o.save_dir.empty() || o.save_every < 1)) {
     return absl::InvalidArgumentError("keep_last and keep_best prune checkpoints: they need checkpoint_dir and "
                                       "checkpoint_every");
@@ -379,9 +400,10 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   auto run = std::make_shared<PreparedTrain>();
   run->options = o;
   run->seed = o.seed;
+  run->writer = o.job.empty() ? LocalRunWriter() : CheckpointWriter{.job = o.job, .generation = o.generation};
   if (!o.resume_dir.empty()) {
     // A save that died mid-replace may have left its step's only copy aside.
-    RestoreMovedAsideCheckpoints(o.resume_dir, CheckpointWriter{.job = o.job, .generation = o.generation});
+    RestoreMovedAsideCheckpoints(o.resume_dir, run->writer);
     ASSIGN_OR_RETURN(run->resume, LatestCheckpoint(o.resume_dir, &run->skipped, o.resume_writers));
     run->resumed_named = run->resume == o.resume_dir;
     for (const std::string& s : run->skipped) COLOD_LOG(WARNING) << "skipping damaged checkpoint " << s;
@@ -755,8 +777,12 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     return absl::OkStatus();
   }
   // Where the run saves a training checkpoint after `done` steps.
+  // A time-boxed run saves one at its stop too, so that --resume goes on
+  // from there, training no step twice.
   auto saves_after = [&](int64_t done) {
-    return !o.save_dir.empty() && o.save_every > 0 && (done % o.save_every == 0 || done == o.steps);
+    if (o.save_dir.empty()) return false;
+    if (time_boxed && done == o.stop_after) return true;
+    return o.save_every > 0 && (done % o.save_every == 0 || done == o.steps);
   };
   // Whether this run takes part in drains (RankHooks::drain), and whether
   // one was agreed: set by the read of the first step whose flag was up, the
@@ -914,10 +940,10 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       RETURN_IF_ERROR(FiniteEval(*s.eval, /*training=*/true));
     }
     if (saves_after(step + 1) || (draining && drain_saves && step + 1 < o.steps)) {
-      const absl::Status saved = SaveTrainingCheckpoint(
-          chunks, optimizer, o.save_dir, step + 1, run.seed,
-          s.eval.has_value() ? std::optional<double>(s.eval->loss) : std::nullopt,
-          CheckpointWriter{.job = o.job, .generation = o.generation}, rank == 0 ? StepReportJson(s) : "");
+      const absl::Status saved =
+          SaveTrainingCheckpoint(chunks, optimizer, o.save_dir, step + 1, run.seed,
+                                 s.eval.has_value() ? std::optional<double>(s.eval->loss) : std::nullopt, run.writer,
+                                 rank == 0 ? StepReportJson(s) : "");
       if (!saved.ok()) {
         // The step trained, and its checkpoint may be whole on disk all the
         // same (rank 0 renames it into place before the save's last agreement,
@@ -937,9 +963,9 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
         // have newer ones there, which are not this run's to prune.)
         std::vector<std::string> also_own;
         if (!run.resume.empty() && !run.resumed_named) also_own.push_back(run.resumed_writer);
-        absl::StatusOr<std::vector<CheckpointInfo>> kept = PruneCheckpoints(
-            o.save_dir, Retention{.keep_last = o.keep_last, .keep_best = o.keep_best}, s.checkpoint,
-            CheckpointWriter{.job = o.job, .generation = o.generation}, also_own);
+        absl::StatusOr<std::vector<CheckpointInfo>> kept =
+            PruneCheckpoints(o.save_dir, Retention{.keep_last = o.keep_last, .keep_best = o.keep_best}, s.checkpoint,
+                             run.writer, also_own);
         if (kept.ok()) {
           s.checkpoints = *std::move(kept);
           // The report carries the newest kMaxReportedCheckpoints, their

@@ -338,14 +338,23 @@ TEST(Trainer, PipelineStagesCheckpointAndResume) {
   TrainOptions cut = full;
   cut.save_dir = TempPath("pp_ck_cut");
   cut.final_dir.clear();
-  cut.stop_after = 6;
-  ASSERT_EQ(Losses(cut).size(), 6u);
+  cut.stop_after = 6;  // not a multiple of save_every: the stop saves step 6 all the same
+  const std::vector<StepStats> before = Losses(cut);
+  ASSERT_EQ(before.size(), 6u);
+  EXPECT_EQ(before.back().checkpoint, TempPath("pp_ck_cut") + "/step-000006");
   TrainOptions resumed = cut;
   resumed.stop_after = 0;
   resumed.resume_dir = TempPath("pp_ck_cut");
   const std::vector<StepStats> rest = Losses(resumed);
-  ASSERT_EQ(rest.size(), 5u);
-  for (size_t i = 0; i < rest.size(); ++i) EXPECT_EQ(rest[i].loss, want[i + 5].loss) << "step " << i + 6;
+  ASSERT_EQ(rest.size(), 4u);  // steps 7 to 10, none twice
+  for (size_t i = 0; i < rest.size(); ++i) EXPECT_EQ(rest[i].loss, want[i + 6].loss) << "step " << i + 7;
+  // A stop before the last step keeps its steps only in its checkpoint.
+  TrainOptions unsaved = cut;
+  unsaved.save_dir.clear();
+  unsaved.save_every = 0;
+  const absl::Status refused = Train(unsaved, nullptr);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(refused.message().find("needs checkpoint_dir"), std::string::npos) << refused;
   TrainOptions other = resumed;
   other.shard.layout.set_pipeline_parallel_size(1);
   EXPECT_EQ(Train(other, nullptr).code(), absl::StatusCode::kFailedPrecondition);
@@ -818,23 +827,24 @@ TEST(Trainer, AnInterruptedRunResumesWithTheSameLossesBitwise) {
   full.save_every = 5;
   const std::vector<StepStats> want = Losses(full);
   ASSERT_EQ(want.size(), 10u);
-  // Stopped after step 6 (its last checkpoint is step 5), then resumed.
+  // Stopped after step 6 (a checkpoint every 5 steps; the stop saves its
+  // own), then resumed from the stop's checkpoint.
   TrainOptions cut = full;
   cut.save_dir = TempPath("ck_cut");
   cut.stop_after = 6;
   const std::vector<StepStats> first = Losses(cut);
   ASSERT_EQ(first.size(), 6u);
-  EXPECT_FALSE(std::filesystem::exists(TempPath("ck_cut") + "/step-000006"));
+  EXPECT_TRUE(std::filesystem::exists(TempPath("ck_cut") + "/step-000006"));
   TrainOptions resumed = full;
   resumed.save_dir = TempPath("ck_cut");
   resumed.resume_dir = TempPath("ck_cut");
   resumed.seed = 99;  // the checkpoint's seed wins: the sampler continues its stream
   const std::vector<StepStats> rest = Losses(resumed);
-  ASSERT_EQ(rest.size(), 5u);
+  ASSERT_EQ(rest.size(), 4u);
   for (size_t i = 0; i < rest.size(); ++i) {
-    EXPECT_EQ(rest[i].step, static_cast<int64_t>(i + 6));
-    EXPECT_EQ(rest[i].loss, want[i + 5].loss) << "step " << i + 6;
-    EXPECT_EQ(rest[i].lr, want[i + 5].lr);
+    EXPECT_EQ(rest[i].step, static_cast<int64_t>(i + 7));
+    EXPECT_EQ(rest[i].loss, want[i + 6].loss) << "step " << i + 7;
+    EXPECT_EQ(rest[i].lr, want[i + 6].lr);
   }
   // Resumed at its last step (a restart after the last checkpoint): nothing
   // to train, the final model is written. Past it: refused, not "done".
@@ -855,6 +865,7 @@ TEST(Trainer, AnInterruptedRunResumesWithTheSameLossesBitwise) {
   boxed.steps = 12;
   boxed.stop_after = 10;
   boxed.final_dir.clear();
+  boxed.save_dir = TempPath("ck_cut");
   EXPECT_TRUE(Losses(boxed).empty());
   // A checkpoint cut short mid-write, and a crashed attempt's temporary
   // directory: the previous complete one is used.
@@ -1102,13 +1113,16 @@ TEST(Trainer, AFinalModelIsWrittenOnlyWhereNoOtherModelIs) {
     EXPECT_TRUE(written.ok()) << written;
     EXPECT_TRUE(std::filesystem::exists(TempPath("train_final_cwd") + "/out/model/model.safetensors"));
   }
-  // Time-boxed (stopping before the last step): no model written.
+  // Time-boxed (stopping before the last step): no model written, the
+  // stop's checkpoint saved.
   TrainOptions boxed = Options(model, 1, 1);
   boxed.steps = 3;
   boxed.stop_after = 2;
   boxed.final_dir = TempPath("train_final_boxed");
+  boxed.save_dir = TempPath("train_final_boxed_ck");
   EXPECT_EQ(Losses(boxed).size(), 2u);
   EXPECT_FALSE(std::filesystem::exists(boxed.final_dir + "/model.safetensors"));
+  EXPECT_TRUE(std::filesystem::exists(boxed.save_dir + "/step-000002/train_state.json"));
   TrainOptions eval = Options(model, 1, 1);
   eval.eval_split = 0.1;
   eval.eval_only = true;
@@ -1191,25 +1205,42 @@ TEST(Trainer, ARestartHandsOnTheReportOfItsCheckpointsStep) {
 // A run resumed from a checkpoint it names, saving into the same
 // directory, prunes only its own checkpoints: the run it came from keeps
 // its others there, the chosen one included (retention counted them as
-// this run's and removed the chosen one).
+// this run's and removed the chosen one). So do runs outside a
+// coordinator, each a writer of its own (they were one, "", and pruned
+// each other's).
 TEST(Trainer, ResumingANamedCheckpointPrunesNoneOfItsRunsOthers) {
   const std::string model = TinyModel("train_named");
-  TrainOptions first = Options(model, 1, 1);
-  first.steps = 6;
-  first.save_dir = TempPath("ck_named");
-  first.save_every = 2;
-  first.job = "job-000001";
-  first.generation = 1;
-  ASSERT_EQ(Losses(first).size(), 6u);
-  TrainOptions again = first;
-  again.job = "job-000002";  // another job (runs outside a coordinator are one writer)
-  again.resume_dir = StepDir(first.save_dir, 2);
-  again.keep_last = 1;
-  const std::vector<StepStats> steps = Losses(again);
-  ASSERT_EQ(steps.size(), 4u);
-  EXPECT_TRUE(std::filesystem::exists(StepDir(first.save_dir, 2))) << "the chosen checkpoint was pruned";
-  EXPECT_FALSE(std::filesystem::exists(StepDir(first.save_dir, 4)));  // its own, pruned
-  EXPECT_TRUE(std::filesystem::exists(StepDir(first.save_dir, 6)));
+  for (const bool jobs : {true, false}) {
+    SCOPED_TRACE(jobs ? "jobs of a coordinator" : "runs outside a coordinator");
+    TrainOptions first = Options(model, 1, 1);
+    first.steps = 6;
+    first.save_dir = TempPath(jobs ? "ck_named" : "ck_named_local");
+    first.save_every = 2;
+    if (jobs) {
+      first.job = "job-000001";
+      first.generation = 1;
+    }
+    ASSERT_EQ(Losses(first).size(), 6u);
+    TrainOptions again = first;
+    if (jobs) again.job = "job-000002";  // another job
+    again.resume_dir = StepDir(first.save_dir, 2);
+    again.keep_last = 1;
+    const std::vector<StepStats> steps = Losses(again);
+    ASSERT_EQ(steps.size(), 4u);
+    EXPECT_TRUE(std::filesystem::exists(StepDir(first.save_dir, 2))) << "the chosen checkpoint was pruned";
+    EXPECT_FALSE(std::filesystem::exists(StepDir(first.save_dir, 4)));  // its own, pruned
+    EXPECT_TRUE(std::filesystem::exists(StepDir(first.save_dir, 6)));
+    // A third run, not resumed, saving there too, counts neither's.
+    TrainOptions third = first;
+    if (jobs) third.job = "job-000003";
+    third.steps = 1;
+    third.save_every = 1;
+    third.keep_last = 1;
+    ASSERT_EQ(Losses(third).size(), 1u);
+    EXPECT_TRUE(std::filesystem::exists(StepDir(first.save_dir, 1)));
+    EXPECT_TRUE(std::filesystem::exists(StepDir(first.save_dir, 2)));
+    EXPECT_TRUE(std::filesystem::exists(StepDir(first.save_dir, 6)));
+  }
 }
 
 TEST(Trainer, OptionsThatDoNotFitAreRefusedBeforeAnyRankStarts) {
