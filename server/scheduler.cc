@@ -200,6 +200,7 @@ void Scheduler::Tick() {
         FailLocked(p, lost, /*retryable=*/true, a.rank());
       }
     }
+    NoticeLostReportsLocked(workers);
     GiveUpOnStuckRanksLocked();
     ReleaseLocked();
     if (options_.hang_threshold > absl::ZeroDuration()) ReportHangsLocked(workers);
@@ -414,10 +415,12 @@ void Scheduler::ScheduleQueued() {
 
 void Scheduler::Assign(const std::string& job_id) {
   std::vector<WorkerClient::Call<v1::AssignJobRequest>> calls;
+  int64_t generation = 0;
   {
     absl::MutexLock lock(&mu_);
     auto it = placed_.find(job_id);
     if (it == placed_.end() || it->second.stopping()) return;
+    generation = it->second.generation;
     v1::AssignJobRequest req;
     req.set_job_id(job_id);
     req.set_generation(it->second.generation);
@@ -437,8 +440,14 @@ void Scheduler::Assign(const std::string& job_id) {
   const std::vector<absl::Status> answers = client_->Assign(calls, options_.rpc_timeout);  // all at once
   JobsLock lock(this);
   auto it = placed_.find(job_id);
-  if (it == placed_.end()) return;
+  // (A later placement of the job, made while these calls ran, is not
+  // theirs to answer for: this one was released, its ranks ended.)
+  if (it == placed_.end() || it->second.generation != generation) return;
   Placed& p = it->second;
+  const absl::Time now = clock_->Now();
+  for (size_t i = 0; i < answers.size(); ++i) {
+    if (answers[i].ok()) p.assigned_at[p.mesh.ranks(static_cast<int>(i)).rank()] = now;
+  }
   std::vector<std::string> refused;
   // A worker that says it cannot take this job (INVALID_ARGUMENT,
   // UNIMPLEMENTED) refuses it for the job's own reasons; one that does not
@@ -455,7 +464,9 @@ void Scheduler::Assign(const std::string& job_id) {
     refused.push_back(absl::StrCat(RankName(p.mesh, a.rank()), " refused the assignment: ", answers[i].ToString()));
   }
   if (refused.empty()) return;
-  if (!p.stopping()) {
+  // (While a rank's failure is probed, the job fails or restarts for it:
+  // a refusal does not take its place.)
+  if (p.state == PlacementState::kRunning) {
     // The ranks that started are stopped; the refusing workers sit out
     // refusal_cooloff; the job is placed again once the started ranks ended.
     // Only refusals of the job's own count against max_placements.
@@ -854,6 +865,49 @@ void Scheduler::StopRanksLocked(Placed& p, PlacementState next, const std::strin
   store_->CancelScope(p.scope);  // ranks blocked in this generation's rendezvous are free at once
   supervisor_.StopRanks(p.job_id, p.generation, p.mesh, *p.keys, p.ended, except_rank, reason);
   wake_ = true;
+}
+
+void Scheduler::NoticeLostReportsLocked(const std::vector<v1::Worker>& workers) {
+  if (options_.lost_report_wait <= absl::ZeroDuration()) return;
+  std::map<std::string, const v1::Worker*> by_id;
+  for (const v1::Worker& w : workers) by_id[w.info().worker_id()] = &w;
+  const absl::Time now = clock_->Now();
+  for (auto& [id, p] : placed_) {
+    // (A stopping placement's ranks that never end are given up on after
+    // stop_grace: GiveUpOnStuckRanksLocked.)
+    for (const auto& [rank, assigned] : p.assigned_at) {
+      if (p.stopping()) break;
+      if (p.ended.count(rank) || rank < 0 || rank >= p.mesh.ranks_size()) continue;
+      const auto w = by_id.find(p.mesh.ranks(rank).worker_id());
+      if (w == by_id.end()) continue;  // lost: Tick ends it
+      const v1::WorkerStatus& st = w->second->status();
+      const bool runs_it = st.state() == v1::WORKER_STATE_BUSY && st.job_id() == p.job_id &&
+                           st.generation() == p.generation && st.rank() == rank;
+      // (A heartbeat from before the assignment was taken says nothing of it.)
+      if (runs_it || FromProtoTimestamp(w->second->last_heartbeat_time()) <= assigned) {
+        p.not_running_since.erase(rank);
+        continue;
+      }
+      const absl::Time since = p.not_running_since.try_emplace(rank, now).first->second;
+      if (now - since < options_.lost_report_wait) continue;
+      p.ended.insert(rank);
+      const std::string lost = absl::StrCat(
+          RankName(p.mesh, rank),
+          " ended without a report that reached the coordinator: its worker has run it no "
+          "more (",
+          st.state() == v1::WORKER_STATE_BUSY
+              ? absl::StrCat("busy with ", st.job_id(), " generation ", st.generation(), " rank ", st.rank())
+              : std::string("idle"),
+          ") for ", absl::FormatDuration(now - since));
+      COLOD_LOG(WARNING) << "job " << p.job_id << ": " << lost;
+      if (p.state == PlacementState::kRunning && !p.drain_reason.empty()) {
+        if (p.AllEnded()) EndDrainLocked(p, absl::StrCat("; ", lost));  // as for a lost worker (Tick)
+        continue;
+      }
+      if (p.state == PlacementState::kProbing) continue;  // the probed failure decides
+      FailLocked(p, lost, /*retryable=*/true, rank);
+    }
+  }
 }
 
 void Scheduler::GiveUpOnStuckRanksLocked() {

@@ -1386,6 +1386,61 @@ TEST_F(SchedulerTest, AFailureThatFollowedAPeersWaitsForTheCauseWhichIsTheJobsRe
   EXPECT_TRUE(absl::StrContains(j.reason(), "another rank could not write its part")) << j.reason();
 }
 
+// A rank whose end never reached the coordinator (its worker's tries ran
+// out in a network blip) would keep the job RUNNING for ever: once its
+// worker's heartbeats have said for Options::lost_report_wait that it runs
+// the rank no more, the rank counts as ended, a retryable failure that
+// restarts the job. Busy with the rank, or beating from before the
+// assignment, it is not.
+TEST_F(SchedulerTest, ARankWhoseEndNeverCameEndsOnceItsWorkerRunsItNoMore) {
+  Scheduler::Options o;
+  o.lost_report_wait = absl::Seconds(3);
+  Start(2, o);
+  v1::JobSpec spec = TrainSpec(2, 1);
+  spec.mutable_restart()->set_max_restarts(2);
+  const std::string id = jobs_->Submit(spec, "")->job_id();
+  scheduler_->TickForTest();
+  Training(id);
+  const v1::Job placed = Job(id);
+  const int worker =
+      static_cast<int>(std::find(ids_.begin(), ids_.end(), placed.mesh().ranks(1).worker_id()) - ids_.begin());
+  ASSERT_LT(worker, 2);
+  v1::WorkerStatus busy;
+  busy.set_state(v1::WORKER_STATE_BUSY);
+  busy.set_job_id(id);
+  busy.set_generation(placed.generation());
+  busy.set_rank(1);
+  Ended(id, 0, absl::StatusCode::kOk);
+  for (int i = 0; i < 6; ++i) {  // running it: however long
+    clock_.Advance(absl::Seconds(1));
+    Beat(1 - worker);
+    Beat(worker, busy);
+    scheduler_->TickForTest();
+  }
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_RUNNING);
+  // Its end's report is lost; the worker beats idle from now on.
+  Pass(absl::Seconds(2));
+  scheduler_->TickForTest();  // seen idle
+  Pass(absl::Seconds(2));
+  scheduler_->TickForTest();
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_RUNNING);  // 2 s of the 3
+  Pass(absl::Seconds(1));
+  scheduler_->TickForTest();
+  // Restarted, and placed again at once: rank 1 was counted as ended.
+  const v1::Job j = Job(id);
+  EXPECT_EQ(j.restarts(), 1) << j.reason();
+  EXPECT_EQ(j.generation(), placed.generation() + 1);
+  bool said = false;
+  for (const v1::JobEvent& e : Events(id)) {
+    said |= e.has_state_change() && e.state_change().state() == v1::JOB_STATE_RESTARTING &&
+            absl::StrContains(e.state_change().reason(),
+                              "rank 1 (worker " + ids_[worker] + " at 10.0.0." + std::to_string(worker + 1) +
+                                  ":7071) ended without a report that reached the coordinator: its worker has run "
+                                  "it no more (idle) for 3s");
+  }
+  EXPECT_TRUE(said);
+}
+
 // A job's new generation is on disk before a rank gets it. Where the
 // record cannot be written (a full disk), the job is not placed: it goes
 // back to PENDING and says why, the placement undone and the generation
