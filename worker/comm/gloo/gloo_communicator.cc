@@ -8,21 +8,22 @@
 #include <cstring>
 #include <exception>
 #include <limits>
-#include <stdexcept>
 #include <mutex>
+#include <new>
+#include <stdexcept>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
-#include "worker/comm/gloo/collective_algorithms.h"
 #include "gloo/allgather.h"
 #include "gloo/allreduce.h"
 #include "gloo/alltoall.h"
 #include "gloo/barrier.h"
 #include "gloo/broadcast.h"
 #include "gloo/common/error.h"
+#include "gloo/common/logging.h"
 #include "gloo/rendezvous/context.h"
 #include "gloo/rendezvous/store.h"
 #include "gloo/transport/context.h"
@@ -30,23 +31,13 @@
 #include "gloo/transport/tcp/device.h"
 #include "gloo/transport/unbound_buffer.h"
 #include "gloo/types.h"
+#include "worker/comm/gloo/collective_algorithms.h"
 
 namespace colod {
 namespace {
 
 std::chrono::milliseconds ToMillis(absl::Duration d) {
   return std::chrono::milliseconds(absl::ToInt64Milliseconds(d));
-}
-
-// Gloo reports failures as exceptions; this is the one place they become a
-// Status. Timeouts are DEADLINE_EXCEEDED, anything else (a peer that closed
-// its connection, a refused connect) UNAVAILABLE.
-absl::Status FromGlooException(const std::exception& e, absl::string_view op) {
-  const std::string msg = e.what();
-  const bool timeout = absl::StrContains(msg, "Timed out") || absl::StrContains(msg, "timed out") ||
-                       absl::StrContains(msg, "DEADLINE_EXCEEDED");
-  return absl::Status(timeout ? absl::StatusCode::kDeadlineExceeded : absl::StatusCode::kUnavailable,
-                      absl::StrCat("gloo ", op, ": ", msg));
 }
 
 // A rendezvous in progress, shared by Create and the thread that runs it.
@@ -410,7 +401,7 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(Store
     context = std::make_shared<gloo_detail::TrackingContext>(rank, size);
     context->setTimeout(ToMillis(options.timeout));
   } catch (const std::exception& e) {
-    return FromGlooException(e, what);
+    return gloo_detail::StatusFromGlooException(e, what);
   }
   // Gloo's connectFullMesh waits for every peer's TCP connection up to the
   // timeout and offers no way to end it sooner, so it runs on a thread of its
@@ -434,7 +425,7 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(Store
       connected.setTimeout(context->getTimeout());
       gloo::barrier(connected);
     } catch (const std::exception& e) {
-      status = FromGlooException(e, what);
+      status = gloo_detail::StatusFromGlooException(e, what);
     }
     absl::MutexLock lock(&r->mu);
     r->done = true;
@@ -525,7 +516,7 @@ void GlooCommunicator::Loop() {
       try {
         task.fn(tag);
       } catch (const std::exception& e) {
-        status = FromGlooException(e, task.op);
+        status = gloo_detail::StatusFromGlooException(e, task.op);
       }
     }
     mu_.Lock();
@@ -711,5 +702,23 @@ std::shared_ptr<Work> GlooCommunicator::Barrier() {
     gloo::barrier(opts);
   });
 }
+
+namespace gloo_detail {
+
+absl::Status StatusFromGlooException(const std::exception& e, absl::string_view op) {
+  const std::string msg = e.what();
+  if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat("gloo ", op, ": out of memory (", msg, ")"));
+  }
+  if (dynamic_cast<const ::gloo::EnforceNotMet*>(&e) != nullptr) {
+    return absl::InternalError(absl::StrCat("gloo ", op, ": a check of Gloo's failed: ", msg));
+  }
+  const bool timeout = absl::StrContains(msg, "Timed out") || absl::StrContains(msg, "timed out") ||
+                       absl::StrContains(msg, "DEADLINE_EXCEEDED");
+  return absl::Status(timeout ? absl::StatusCode::kDeadlineExceeded : absl::StatusCode::kUnavailable,
+                      absl::StrCat("gloo ", op, ": ", msg));
+}
+
+}  // namespace gloo_detail
 
 }  // namespace colod

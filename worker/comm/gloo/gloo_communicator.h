@@ -3,6 +3,7 @@
 #define COLOD_WORKER_COMM_GLOO_GLOO_COMMUNICATOR_H_
 
 #include <deque>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <string>
@@ -10,6 +11,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "worker/comm/abort_signal.h"
 #include "worker/comm/communicator.h"
@@ -26,6 +28,13 @@ namespace colod {
 
 namespace gloo_detail {
 class LiveBuffers;
+
+// Gloo reports failures as exceptions; this is the one place they become a
+// Status: a timeout DEADLINE_EXCEEDED; out of memory (a scratch buffer,
+// Gloo's own) RESOURCE_EXHAUSTED, no peer's doing and none a restart mends;
+// a check of Gloo's own that failed (GLOO_ENFORCE) INTERNAL; anything else
+// (a peer that closed its connection, a refused connect) UNAVAILABLE.
+absl::Status StatusFromGlooException(const std::exception& e, absl::string_view op);
 }  // namespace gloo_detail
 
 // Collectives run one at a time on the communicator's own thread, in

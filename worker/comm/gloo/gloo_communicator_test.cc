@@ -24,8 +24,10 @@
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "gtest/gtest.h"
 #include "common/rendezvous_store.h"
+#include "gloo/common/error.h"
+#include "gloo/common/logging.h"
+#include "gtest/gtest.h"
 #include "worker/comm/store.h"
 #include "worker/comm/store_testing.h"
 
@@ -162,6 +164,25 @@ TEST_P(GlooRanks, AllReduceEveryDTypeAndOp) {
 // The two-rank exchange reduces op(rank 0's, rank 1's) on both ranks, so they
 // end with the same bits even where the op is not commutative: the max of a
 // NaN and a number depends on the order of its operands.
+// What a Gloo exception becomes: out of memory is RESOURCE_EXHAUSTED (which
+// no restart retries, as the worker's own bad_alloc), not UNAVAILABLE (a
+// peer's closed connection, which restarts the job until its policy is
+// spent); a failed check of Gloo's INTERNAL; a timeout DEADLINE_EXCEEDED.
+TEST(Gloo, AnExceptionBecomesTheStatusThatSaysWhatHappened) {
+  using gloo_detail::StatusFromGlooException;
+  const absl::Status memory = StatusFromGlooException(std::bad_alloc(), "reduce_scatter");
+  EXPECT_EQ(memory.code(), absl::StatusCode::kResourceExhausted) << memory;
+  EXPECT_TRUE(absl::StartsWith(memory.message(), "gloo reduce_scatter: out of memory")) << memory;
+  const absl::Status check = StatusFromGlooException(::gloo::EnforceNotMet("f.cc", 3, "n == m", "sizes differ"), "x");
+  EXPECT_EQ(check.code(), absl::StatusCode::kInternal) << check;
+  EXPECT_TRUE(absl::StrContains(check.message(), "sizes differ")) << check;
+  const absl::Status closed = StatusFromGlooException(::gloo::IoException("Connection closed by peer"), "all_reduce");
+  EXPECT_EQ(closed.code(), absl::StatusCode::kUnavailable) << closed;
+  EXPECT_EQ(closed.message(), "gloo all_reduce: Connection closed by peer");
+  const absl::Status late = StatusFromGlooException(::gloo::IoException("Timed out waiting 2000ms"), "barrier");
+  EXPECT_EQ(late.code(), absl::StatusCode::kDeadlineExceeded) << late;
+}
+
 TEST(Gloo, TheTwoRankExchangeLeavesBothRanksTheSameBits) {
   constexpr int64_t kCount = 4;
   std::vector<std::vector<float>> v(2);
