@@ -22,8 +22,10 @@ class Work {
  public:
   virtual ~Work() = default;
   // Waits for completion: OK, the op's error, or DEADLINE_EXCEEDED after
-  // `timeout` (the op may still be running; the communicator's own timeout
-  // ends it). Never waits forever.
+  // `timeout`, having aborted the communicator (every later op fails) and
+  // waited for the op to stop, so that in every case the op's buffers may
+  // be freed once Wait returned (on a device: once the stream drained).
+  // Never waits forever.
   virtual absl::Status Wait(absl::Duration timeout) = 0;
   // Orders the device work the caller issues next after this op, without
   // blocking the host where the backend runs on a device stream (NCCL: the

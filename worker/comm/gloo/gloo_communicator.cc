@@ -327,17 +327,41 @@ class TrackingContext final : public gloo::rendezvous::Context {
   }
 };
 
+// The communicator a Work aborts when its Wait runs out, while it lives:
+// its destructor clears `comm` before anything of it goes (and a Work's
+// abort, under `mu`, holds the destructor back until it returned).
+struct AbortHandle {
+  absl::Mutex mu;
+  Communicator* comm ABSL_GUARDED_BY(mu) = nullptr;
+};
+
 }  // namespace gloo_detail
 
 class GlooCommunicator::GlooWork final : public Work {
  public:
+  // A Wait that runs out aborts the communicator (Gloo times each of an op's
+  // waits, not the op: a large op still making progress, or one a peer never
+  // entered, runs on past it, writing into the caller's buffers), and then
+  // waits for the op to end, which the abort makes prompt: so that, as the
+  // interface says, the caller may free the op's buffers once Wait returned.
   absl::Status Wait(absl::Duration timeout) override {
-    absl::MutexLock lock(&mu_);
-    if (!mu_.AwaitWithTimeout(absl::Condition(&done_), timeout)) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("gloo ", op_, ": not complete after ", absl::FormatDuration(timeout)));
+    {
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&done_), timeout)) return status_;
     }
-    return status_;
+    const absl::Status late = absl::DeadlineExceededError(
+        absl::StrCat("gloo ", op_, ": not complete after ", absl::FormatDuration(timeout),
+                     " (a peer never entered it, or is far behind); the communicator was aborted"));
+    if (handle_ != nullptr) {
+      absl::MutexLock lock(&handle_->mu);
+      if (handle_->comm != nullptr) handle_->comm->Abort(late);
+    }
+    absl::MutexLock lock(&mu_);
+    if (!mu_.AwaitWithTimeout(absl::Condition(&done_), kAbortedOpEnd)) {
+      COLOD_LOG(ERROR) << "gloo " << op_ << " had not ended " << absl::FormatDuration(kAbortedOpEnd)
+                       << " after its communicator was aborted; its buffers may still be written";
+    }
+    return late;
   }
   bool IsCompleted() override {
     absl::MutexLock lock(&mu_);
@@ -348,17 +372,29 @@ class GlooCommunicator::GlooWork final : public Work {
     status_ = std::move(status);
     done_ = true;
   }
+  // Both set before the work is shared.
   void set_op(std::string op) { op_ = std::move(op); }
+  void set_abort_handle(std::shared_ptr<gloo_detail::AbortHandle> handle) { handle_ = std::move(handle); }
 
  private:
+  // How long a Wait that aborted the communicator waits for the op to end:
+  // the abort ends each of its waits at once; a bound all the same.
+  static constexpr absl::Duration kAbortedOpEnd = absl::Seconds(60);
   absl::Mutex mu_;
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
-  std::string op_;  // set before the work is shared
+  std::string op_;
+  std::shared_ptr<gloo_detail::AbortHandle> handle_;  // null: a work that failed before it ran
 };
 
 GlooCommunicator::GlooCommunicator(int rank, int size, Options options)
-    : rank_(rank), size_(size), options_(std::move(options)) {}
+    : rank_(rank),
+      size_(size),
+      options_(std::move(options)),
+      abort_handle_(std::make_shared<gloo_detail::AbortHandle>()) {
+  absl::MutexLock lock(&abort_handle_->mu);
+  abort_handle_->comm = this;
+}
 
 namespace {
 
@@ -471,6 +507,10 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(Store
 
 GlooCommunicator::~GlooCommunicator() {
   {
+    absl::MutexLock lock(&abort_handle_->mu);  // (a Work's abort in progress returns first)
+    abort_handle_->comm = nullptr;
+  }
+  {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
   }
@@ -486,6 +526,7 @@ std::shared_ptr<Work> GlooCommunicator::Failed(absl::Status status) {
 std::shared_ptr<Work> GlooCommunicator::Submit(const char* op, std::function<void(uint32_t)> fn) {
   auto w = std::make_shared<GlooWork>();
   w->set_op(op);
+  w->set_abort_handle(abort_handle_);
   absl::MutexLock lock(&mu_);
   if (stopping_) {
     w->Complete(absl::FailedPreconditionError("gloo: communicator is shutting down"));

@@ -28,6 +28,7 @@ namespace colod {
 
 namespace gloo_detail {
 class LiveBuffers;
+struct AbortHandle;
 
 // Gloo reports failures as exceptions; this is the one place they become a
 // Status: a timeout DEADLINE_EXCEEDED; out of memory (a scratch buffer,
@@ -112,6 +113,9 @@ class GlooCommunicator final : public Communicator {
   std::shared_ptr<gloo::Context> context_;
   // The unbound buffers of the collective in flight, which Abort ends.
   std::shared_ptr<gloo_detail::LiveBuffers> live_buffers_;
+  // How a Work whose Wait ran out aborts this communicator: this, until the
+  // destructor begins.
+  std::shared_ptr<gloo_detail::AbortHandle> abort_handle_;
   std::thread thread_;
   // ReduceScatter's running sum and incoming chunk, and the two-rank
   // exchange's incoming buffer, kept between calls so that each call does

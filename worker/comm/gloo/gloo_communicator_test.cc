@@ -454,6 +454,45 @@ TEST_P(AbortInFlight, AbortEndsACollectiveInFlight) {
 INSTANTIATE_TEST_SUITE_P(Ops, AbortInFlight, ::testing::Values("all_reduce", "reduce_scatter", "all_gather"),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
+// A Wait that runs out (a peer never entered the op; Gloo times each of an
+// op's waits, not the op, so it would run on) aborts the communicator and
+// returns once the op has ended: its buffers, which the caller frees on the
+// error, are written no more. Every later op fails with the sticky error.
+TEST(Gloo, AWaitThatRunsOutEndsTheOpBeforeItReturns) {
+  auto shared = std::make_shared<RendezvousStore>();
+  std::vector<std::unique_ptr<GlooCommunicator>> comms(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      InMemoryStore store(shared, "test");
+      GlooCommunicator::Options o;
+      o.timeout = absl::Seconds(60);
+      auto c = GlooCommunicator::Create(store, r, 2, o);
+      ASSERT_TRUE(c.ok()) << c.status();
+      comms[r] = std::move(*c);
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_TRUE(comms[0] && comms[1]);
+  constexpr int64_t kCount = 1 << 16;
+  auto buffer = std::make_unique<std::vector<float>>(kCount, 1.0f);
+  std::shared_ptr<Work> lone = comms[0]->AllReduce(buffer->data(), kCount, DType::kF32, ReduceOp::kSum);
+  const absl::Time start = absl::Now();
+  const absl::Status s = lone->Wait(absl::Milliseconds(300));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "the communicator was aborted")) << s;
+  EXPECT_TRUE(lone->IsCompleted()) << "Wait returned while the op could still write its buffer";
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  buffer.reset();  // what a caller does on the error
+  EXPECT_EQ(comms[0]->AsyncError().code(), absl::StatusCode::kAborted);
+  float one = 1.0f;
+  EXPECT_EQ(comms[0]->AllReduce(&one, 1, DType::kF32, ReduceOp::kSum)->Wait(kWait).code(), absl::StatusCode::kAborted);
+  // The peer's next op fails too (its pairs with rank 0 were closed), at once.
+  const absl::Time late = absl::Now();
+  EXPECT_FALSE(comms[1]->AllReduce(&one, 1, DType::kF32, ReduceOp::kSum)->Wait(kWait).ok());
+  EXPECT_LT(absl::Now() - late, absl::Seconds(5));
+}
+
 // Bytes the process `pid` has passed to write(2) and writev(2) (sockets
 // included), from /proc/PID/io; -1 if unreadable.
 int64_t BytesWritten(pid_t pid) {
