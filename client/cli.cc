@@ -154,7 +154,22 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> MakeClient(const std::string&
   return CoordinatorClient::Create(address, options);
 }
 
+namespace {
+
+// A script's COLOD_COORDINATOR="$COORD" with $COORD unset, no --coordinator
+// given: a usage error, not this machine's coordinator (or embedded
+// cluster) in place of the cluster meant.
+bool EmptyCoordinatorEnv() {
+  const char* env = std::getenv("COLOD_COORDINATOR");
+  return absl::GetFlag(FLAGS_coordinator).empty() && env != nullptr && *env == '\0';
+}
+
+}  // namespace
+
 int WithCoordinator(const std::function<int(CoordinatorClient&)>& fn) {
+  if (EmptyCoordinatorEnv()) {
+    return Usage("$COLOD_COORDINATOR is set but empty: give HOST:PORT, or unset it to call 127.0.0.1:7070");
+  }
   auto client = MakeClient(CoordinatorAddress());
   if (!client.ok()) return Usage(std::string(client.status().message()));
   return fn(**client);
@@ -194,10 +209,7 @@ bool StdoutReaderGone() {
 int RunOnCoordinatorOrEmbeddedCluster(int workers, const std::function<int(const std::string& address)>& fn) {
   const std::string explicit_address = ExplicitCoordinator();
   if (!explicit_address.empty()) return fn(explicit_address);
-  // A script's COLOD_COORDINATOR="$COORD" with $COORD unset: not this
-  // machine's embedded cluster in place of the cluster meant.
-  const char* env = std::getenv("COLOD_COORDINATOR");
-  if (env != nullptr && *env == '\0') {
+  if (EmptyCoordinatorEnv()) {
     return Usage("$COLOD_COORDINATOR is set but empty: give HOST:PORT, or unset it to run on an embedded cluster of "
                  "this machine");
   }

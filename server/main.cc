@@ -174,7 +174,10 @@ int main(int argc, char** argv) {
   auto coordinator = colod::Coordinator::Start(options);
   if (!coordinator.ok()) {
     COLOD_LOG(ERROR) << "cannot start: " << coordinator.status().message();
-    return 1;
+    // A flag's value that cannot be (--max-workers 0, no --data-dir) is a
+    // usage error, as the usage says; a start that failed otherwise (a port
+    // taken, a data dir another daemon holds) is not.
+    return absl::IsInvalidArgument(coordinator.status()) ? 2 : 1;
   }
   auto& daemon = **coordinator;
   return colod::ServeUntilSignal("coordinator", absl::GetFlag(FLAGS_ready_file), daemon.address(),

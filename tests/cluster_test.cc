@@ -273,12 +273,17 @@ TEST(Cluster, BinariesHelpAndRejectBadInput) {
   auto no_dir = RunCommand({Runfile(kCoordinator), "--listen", "127.0.0.1:0", "--metrics-listen",
                             "127.0.0.1:0"},
                            TempPath(""));
-  EXPECT_EQ(no_dir.code, 1);
-  EXPECT_TRUE(absl::StrContains(no_dir.err, "--data-dir")) << no_dir.err;
+  EXPECT_EQ(no_dir.code, 2);  // a usage error, as the usage says
+  EXPECT_TRUE(absl::StrContains(no_dir.err, "--data-dir: required")) << no_dir.err;
+  auto no_workers = RunCommand({Runfile(kCoordinator), "--data-dir", TempPath("no-workers"), "--max-workers", "0",
+                                "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"},
+                               TempPath(""));
+  EXPECT_EQ(no_workers.code, 2);
+  EXPECT_TRUE(absl::StrContains(no_workers.err, "--max-workers: must be >= 1")) << no_workers.err;
 
   auto bad_listen = RunCommand({Runfile(kWorker), "--listen", "nowhere", "--metrics-listen", "127.0.0.1:0"},
                                TempPath(""));
-  EXPECT_EQ(bad_listen.code, 1);
+  EXPECT_EQ(bad_listen.code, 2);  // "nowhere" has no port
   EXPECT_TRUE(absl::StrContains(bad_listen.err, "--listen")) << bad_listen.err;
 
   // A flag that is unknown or does not parse is a usage error, on every binary.

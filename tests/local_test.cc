@@ -576,8 +576,17 @@ TEST(Local, AnEmptyCoordinatorIsAUsageErrorNotTheEmbeddedCluster) {
         << r.err;
     EXPECT_TRUE(r.out.empty()) << r.out;  // no cluster announced, nothing trained
   }
-  // Where no embedded cluster would start, an empty $COLOD_COORDINATOR is
-  // as good as unset.
+  // A command that calls a coordinator (127.0.0.1:7070 where none is
+  // named): not the default in place of the cluster meant either.
+  for (const char* command : {"jobs", "cancel"}) {
+    std::vector<std::string> argv = {"/usr/bin/env", "COLOD_COORDINATOR=", Runfile("client/coloctl"), command};
+    if (std::string(command) == "cancel") argv.push_back("job-000001");
+    const auto r = RunCommand(argv, std::getenv("TEST_TMPDIR"), absl::Seconds(30));
+    EXPECT_EQ(r.code, 2) << command << ": " << r.out << r.err;
+    EXPECT_NE(r.err.find("$COLOD_COORDINATOR is set but empty"), std::string::npos) << command << ": " << r.err;
+  }
+  // Where no coordinator is called, an empty $COLOD_COORDINATOR is as good
+  // as unset.
   const auto version =
       RunCommand({"/usr/bin/env", "COLOD_COORDINATOR=", Runfile("client/coloctl"), "version"}, std::getenv("TEST_TMPDIR"));
   EXPECT_EQ(version.code, 0) << version.err;

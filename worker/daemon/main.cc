@@ -191,7 +191,10 @@ int main(int argc, char** argv) {
   auto worker = colod::WorkerDaemon::Start(options);
   if (!worker.ok()) {
     COLOD_LOG(ERROR) << "cannot start: " << worker.status().message();
-    return 1;
+    // A flag's value that cannot be (--max-workers 0, no --data-dir) is a
+    // usage error, as the usage says; a start that failed otherwise (a port
+    // taken, a data dir another daemon holds) is not.
+    return absl::IsInvalidArgument(worker.status()) ? 2 : 1;
   }
   auto& daemon = **worker;
   const int code = colod::ServeUntilSignal(
