@@ -13,17 +13,20 @@
 #include "client/cli.h"
 #include "client/commands.h"
 #include "client/format.h"
-#include "spec/plan.h"
 #include "client/job_file.h"
 #include "client/job_flags.h"
 #include "colod/v1/coordinator.pb.h"
 #include "common/json.h"
 #include "nlohmann/json.hpp"
+#include "spec/job_validation.h"
+#include "spec/plan.h"
 
 ABSL_FLAG(bool, all, false, "workers: also list workers whose lease expired (lost).");
 ABSL_FLAG(std::string, job_file, "",
           "submit: a colod.v1.JobSpec as JSON, or YAML (.yaml/.yml), instead of --model and the train flags.");
-ABSL_FLAG(std::string, request_id, "", "submit: idempotency key; a retried submit with it returns the first job.");
+ABSL_FLAG(std::string, request_id, "",
+          "submit: idempotency key; a retried submit with it returns the first job (another spec "
+          "under it is refused, ALREADY_EXISTS).");
 ABSL_FLAG(bool, watch, false, "submit: follow the job to its end, as `coloctl watch`.");
 ABSL_FLAG(std::string, state, "", "jobs: only jobs in these states, comma-separated (pending,running,...).");
 ABSL_FLAG(std::string, reason, "", "cancel: why (recorded on the job).");
@@ -82,6 +85,11 @@ int SubmitWith(CoordinatorClient& client, bool json) {
   if (!spec.ok()) {
     if (absl::IsInvalidArgument(spec.status())) return Usage(absl::StrCat("submit: ", spec.status().message()));
     return Fail(spec.status());
+  }
+  // What the coordinator would refuse is a usage error here, before a call
+  // is made, as for the flags (TrainJobSpecFromFlags validates its own).
+  if (absl::Status valid = ValidateJobSpec(*spec); !valid.ok()) {
+    return Usage(absl::StrCat("submit --job-file ", absl::GetFlag(FLAGS_job_file), ": ", valid.message()));
   }
   if (absl::GetFlag(FLAGS_job_file).empty()) {
     if (absl::Status s = UploadModelIfAsked(client, *spec, json); !s.ok()) return Fail(s);

@@ -25,6 +25,7 @@
 #include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "google/protobuf/wire_format_lite.h"
 #include "spec/job_validation.h"
 #include "spec/model_config.h"
@@ -942,6 +943,31 @@ absl::Status JobManager::NoteResumed(absl::string_view job_id, int64_t step, con
   });
 }
 
+namespace {
+
+// Whether two specs are one submission: the same, but for the upload that
+// carried the model (a retry may upload it again).
+bool SameSubmission(v1::JobSpec a, v1::JobSpec b) {
+  a.mutable_model()->clear_upload_id();
+  b.mutable_model()->clear_upload_id();
+  std::string x, y;
+  {
+    google::protobuf::io::StringOutputStream out(&x);
+    google::protobuf::io::CodedOutputStream coded(&out);
+    coded.SetSerializationDeterministic(true);
+    a.SerializeToCodedStream(&coded);
+  }
+  {
+    google::protobuf::io::StringOutputStream out(&y);
+    google::protobuf::io::CodedOutputStream coded(&out);
+    coded.SetSerializationDeterministic(true);
+    b.SerializeToCodedStream(&coded);
+  }
+  return x == y;
+}
+
+}  // namespace
+
 absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string_view request_id,
                                            std::optional<v1::MemoryFloor> floor) {
   RETURN_IF_ERROR(ValidateJobSpec(spec));
@@ -959,7 +985,19 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
       auto not_submitting = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !submitting_.contains(request); };
       mu_.Await(absl::Condition(&not_submitting));
       auto it = job_by_request_id_.find(request);
-      if (it != job_by_request_id_.end()) return jobs_.at(it->second).job;
+      if (it != job_by_request_id_.end()) {
+        const v1::Job& job = jobs_.at(it->second).job;
+        // The same request again (a retry, whose model may have been
+        // uploaded again): its job. Another spec under a request id already
+        // used is a mistake the caller would not see (yesterday's job in
+        // place of today's).
+        if (!SameSubmission(job.spec(), spec)) {
+          return absl::AlreadyExistsError(absl::StrCat("request id '", request, "' was used by ", job.job_id(),
+                                                       " for another spec: give this one a new "
+                                                       "request id"));
+        }
+        return job;
+      }
       submitting_.insert(request);
     }
     // One job at a time writes a directory (OutputDirKeys).

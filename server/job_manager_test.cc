@@ -392,6 +392,15 @@ TEST(JobManager, SubmitGetListCancel) {
   EXPECT_EQ(b->job_id(), b_again->job_id());  // idempotent retry
   EXPECT_EQ(b->uid(), b_again->uid());
   EXPECT_EQ(jobs.List({}).size(), 2u);
+  // Another spec under a request id already used: refused, not the old job
+  // (a script's "nightly" id the next night).
+  v1::JobSpec other_spec = TrainSpec();
+  other_spec.mutable_train()->set_steps(other_spec.train().steps() + 1);
+  const absl::StatusOr<v1::Job> reused = jobs.Submit(other_spec, "req-1");
+  EXPECT_EQ(reused.status().code(), absl::StatusCode::kAlreadyExists) << reused.status();
+  EXPECT_EQ(reused.status().message(),
+            "request id 'req-1' was used by " + b->job_id() + " for another spec: give this one a new request id");
+  EXPECT_EQ(jobs.List({}).size(), 2u);
   // Each job draws a uid of 16 hex digits, its identity beyond this
   // manager's numbering (a second manager numbers from 1 again).
   JobManager other(&clock);

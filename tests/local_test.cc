@@ -615,6 +615,13 @@ TEST(Local, CommandsRefuseWhatTheyWouldIgnore) {
   r = run({"--coordinator", nowhere, "submit", "--job-file", "/nonexistent.json", "--tp", "2", "--name", "x"});
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("submit --job-file: --name, --tp do not apply"), std::string::npos) << r.err;
+  // A job file the coordinator would refuse: refused here (2), no call made
+  // to the unreachable coordinator (69).
+  const std::string bad_file = std::string(std::getenv("TEST_TMPDIR")) + "/bad-job.json";
+  std::ofstream(bad_file) << R"({"kind": "JOB_KIND_TRAIN", "shard": {"tensorParallelSize": 2}})";
+  r = run({"--coordinator", nowhere, "submit", "--job-file", bad_file});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("submit --job-file " + bad_file + ": spec."), std::string::npos) << r.err;
   // --comm-timeout is read by a run on this machine's GPUs alone: on worker
   // daemons each worker's own decides.
   for (const std::vector<std::string>& args :

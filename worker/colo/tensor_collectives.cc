@@ -1,5 +1,7 @@
 #include "worker/colo/tensor_collectives.h"
 
+#include <limits>
+
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
@@ -105,6 +107,31 @@ absl::Status AgreeOverMesh(ProcessGroup& pg, const absl::Status& mine, const Dev
   if (agreed->empty() || (*agreed)[0] != 0) return MarkPeerCaused(absl::AbortedError(peer_failed));
   // A communicator that failed or was aborted (NCCL: the stream ran past
   // the collective) leaves this rank's own 0 in place, not the mesh's.
+  return pg.AsyncError();
+}
+
+absl::Status SameOverMesh(ProcessGroup& pg, int64_t mine, const Device& device, absl::string_view what) {
+  if (mine == std::numeric_limits<int64_t>::min()) {  // (its negation overflows)
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", mine, " cannot be compared"));
+  }
+  // The max of {mine, -mine}: the mesh's largest and (negated) smallest.
+  ASSIGN_OR_RETURN(Tensor both, Tensor::FromInt64s({2}, {mine, -mine}));
+  ASSIGN_OR_RETURN(both, both.To(device));
+  for (const MeshAxis& axis : pg.mesh().axes()) {
+    if (axis.size < 2) continue;
+    ASSIGN_OR_RETURN(Communicator * comm, pg.Comm(axis.name));
+    RETURN_IF_ERROR(comm->AllReduce(both.raw_data(), 2, DType::kI64, ReduceOp::kMax)->WaitOnDevice(pg.timeout()));
+  }
+  ASSIGN_OR_RETURN(const std::vector<int64_t> got, both.ReadInt64s());
+  if (got.size() != 2) return absl::InternalError(absl::StrCat(what, ": the agreement read ", got.size(), " values"));
+  const int64_t largest = got[0], smallest = -got[1];
+  // Values that differ came from a peer (a peer's abort may follow them);
+  // the same ones may be this rank's own, left in place by a communicator
+  // that failed or was aborted (NCCL: the stream ran past the collective).
+  if (largest != mine || smallest != mine) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, ": this rank's ", mine, ", another's ", largest != mine ? largest : smallest));
+  }
   return pg.AsyncError();
 }
 

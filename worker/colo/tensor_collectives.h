@@ -66,6 +66,13 @@ absl::StatusOr<Tensor> AnyOverMesh(ProcessGroup& pg, bool mine, const Device& de
 absl::Status AgreeOverMesh(ProcessGroup& pg, const absl::Status& mine, const Device& device,
                            absl::string_view peer_failed);
 
+// Whether every rank of the mesh holds the same `mine`: OK, else
+// FAILED_PRECONDITION "`what`: this rank's `mine`, another's X" (the
+// mesh's largest or smallest, whichever differs). Collective over the whole
+// mesh (one all-reduce of two 64-bit values along each axis). `mine` is
+// not INT64_MIN (INVALID_ARGUMENT).
+absl::Status SameOverMesh(ProcessGroup& pg, int64_t mine, const Device& device, absl::string_view what);
+
 }  // namespace colod
 
 #endif  // COLOD_WORKER_COLO_TENSOR_COLLECTIVES_H_

@@ -487,7 +487,8 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
               {"seed", seed},
               {"world_size", world},
               {"model_type", model.config().model_type},
-              {"layout", LayoutJson(model.shard_config().layout)}};
+              {"layout", LayoutJson(model.shard_config().layout)},
+              {"param_dtype", std::string(DTypeName(model.shard_config().param_dtype))}};
     if (eval_loss.has_value() && std::isfinite(*eval_loss)) j["eval_loss"] = *eval_loss;
     if (!writer.job.empty()) j["job"] = writer.job;
     if (writer.generation > 0) j["generation"] = writer.generation;
@@ -719,6 +720,13 @@ absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint) {
   ASSIGN_OR_RETURN(r.seed, SeedField(state, where));
   r.job = WriterJob(state);
   if (state.contains("report") && state["report"].is_object()) r.report = JsonText(state["report"]);
+  if (state.contains("param_dtype")) {  // (not in a checkpoint of before 2026-12)
+    absl::StatusOr<DType> dtype = state["param_dtype"].is_string() ? ParseDType(state["param_dtype"].get<std::string>())
+                                                                   : absl::InvalidArgumentError("not a string");
+    if (!dtype.ok())
+      return absl::InvalidArgumentError(absl::StrCat(where, ": param_dtype: ", dtype.status().message()));
+    r.param_dtype = *dtype;
+  }
   return r;
 }
 

@@ -53,6 +53,7 @@
 #include "absl/status/statusor.h"
 #include "worker/colo/process_group.h"
 #include "worker/shardformer/shardformer.h"
+#include "worker/tensor/dtype.h"
 #include "worker/train/optimizer.h"
 
 namespace colod::train {
@@ -178,6 +179,9 @@ struct Resumed {
   uint64_t seed = 0;
   std::string job;     // its writer (CheckpointWriter::job; "" of a run outside a coordinator before 2026-12)
   std::string report;  // SaveTrainingCheckpoint's report (a JSON object's text), or ""
+  // The parameters' dtype it was trained with (F32, or BF16/F16 under mixed
+  // precision); none in a checkpoint of before 2026-12.
+  std::optional<DType> param_dtype;
 };
 // The step, seed and writer a checkpoint records.
 absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint);

@@ -535,6 +535,66 @@ TEST(Checkpoints, ARankThatCannotWriteItsPartFailsTheSaveWithItsOwnErrorItsPeers
   EXPECT_TRUE(LatestCheckpoint(o.save_dir).ok());
 }
 
+// Each rank chooses the newest checkpoint on its own (a worker daemon's
+// ranks prepare their runs apart): where they chose different ones (a save
+// came between two ranks' listings, or one host's view of the directory
+// lagged), every rank fails FAILED_PRECONDITION saying so before it
+// restores anything, rather than training from different weights and steps.
+TEST(Checkpoints, RanksThatChoseDifferentCheckpointsToResumeFromRefuseToGoOn) {
+  auto run = GenerationRun("ck_resume_differ", 3);
+  ASSERT_TRUE(run.ok()) << run.status();
+  TrainOptions o = *run;
+  ASSERT_TRUE(Train(o, nullptr).ok());
+  TrainOptions again = o;
+  again.save_dir.clear();
+  again.save_every = 0;
+  again.resume_dir = o.save_dir;
+  again.steps = 5;
+  auto newest = PrepareTrain(again);  // step 3
+  ASSERT_TRUE(newest.ok()) << newest.status();
+  fs::rename(StepDir(o.save_dir, 3), o.save_dir + "/aside");
+  auto lagging = PrepareTrain(again);  // step 2: step 3 not listed yet
+  ASSERT_TRUE(lagging.ok()) << lagging.status();
+  fs::rename(o.save_dir + "/aside", StepDir(o.save_dir, 3));
+  absl::Mutex mu;
+  std::vector<absl::Status> ends(2);
+  std::vector<int> trained(2, 0);
+  (void)shardformer::RunOnLocalRanks(
+      again.shard, /*cuda=*/false,
+      [&](int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard) {
+        RankHooks hooks;
+        hooks.on_step = [&, rank](const StepStats&) {
+          absl::MutexLock lock(&mu);
+          ++trained[rank];
+        };
+        const absl::Status end = RunTrainRank(rank == 0 ? **newest : **lagging, rank, pg, shard, hooks);
+        absl::MutexLock lock(&mu);
+        ends[rank] = end;
+        return end;
+      },
+      again.comm_timeout);
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(ends[rank].code(), absl::StatusCode::kFailedPrecondition) << ends[rank];
+    EXPECT_TRUE(absl::StrContains(ends[rank].message(), "the ranks chose different checkpoints in " + o.save_dir +
+                                                            " to resume from (its step; -1: none)"))
+        << ends[rank];
+    EXPECT_TRUE(absl::StrContains(ends[rank].message(),
+                                  rank == 0 ? "this rank's 3, another's 2" : "this rank's 2, another's 3"))
+        << ends[rank];
+    EXPECT_EQ(trained[rank], 0);
+  }
+  // Ranks that agree resume as ever.
+  auto same = PrepareTrain(again);
+  ASSERT_TRUE(same.ok()) << same.status();
+  const absl::Status agreed = shardformer::RunOnLocalRanks(
+      again.shard, /*cuda=*/false,
+      [&](int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard) {
+        return RunTrainRank(**same, rank, pg, shard, RankHooks{});
+      },
+      again.comm_timeout);
+  EXPECT_TRUE(agreed.ok()) << agreed;
+}
+
 // A job the coordinator restarts resumes from the newest checkpoint it
 // wrote itself (TrainOptions::resume_writers), not from a later step another
 // job left in the same directory: another coordinator's job of the same
@@ -565,7 +625,11 @@ TEST(Checkpoints, OnlyAStepDirectoryOfItsOwnStepIsACheckpoint) {
   plant("step-000002-keep", [](nlohmann::json&) {});
   plant("step-000002.best", [](nlohmann::json&) {});
   plant("step-000003", [](nlohmann::json&) {});  // says step 2
-  auto kept = PruneCheckpoints(dir, Retention{.keep_last = 1});
+  // (A run outside a coordinator writes as an id of its own: local-...)
+  const absl::StatusOr<Resumed> written = ReadTrainState(StepDir(dir, 2));
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_TRUE(absl::StartsWith(written->job, "local-")) << written->job;
+  auto kept = PruneCheckpoints(dir, Retention{.keep_last = 1}, "", CheckpointWriter{.job = written->job});
   ASSERT_TRUE(kept.ok()) << kept.status();
   ASSERT_EQ(kept->size(), 1u);
   EXPECT_EQ(kept->at(0).path, StepDir(dir, 2));

@@ -46,6 +46,7 @@ absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const
   switch (t.precision()) {
     case v1::PRECISION_UNSPECIFIED:
       o.shard.param_dtype = DefaultParamDType(cuda);
+      o.precision_auto = true;
       break;
     case v1::PRECISION_FP32:
       o.shard.param_dtype = DType::kF32;

@@ -251,6 +251,20 @@ struct EvalPlan {
   int64_t labels = 0;               // labelled positions over all of them
 };
 
+// "fp32", "bf16 mixed", "fp16 mixed": the precision a parameter dtype trains at.
+std::string PrecisionName(DType param_dtype) {
+  switch (param_dtype) {
+    case DType::kBF16:
+      return "bf16 mixed";
+    case DType::kF16:
+      return "fp16 mixed";
+    case DType::kF32:
+      return "fp32";
+    default:
+      return std::string(DTypeName(param_dtype));
+  }
+}
+
 // A run outside a coordinator writes as "local-" and 16 random hex digits,
 // its own: retention counts a writer's checkpoints as the run's, so runs
 // that shared one name (all of them, until 2026-12) pruned each other's
@@ -267,6 +281,7 @@ struct PreparedTrain {
   TrainOptions options;
   std::string resume;  // the checkpoint to resume from, if any
   std::string resumed_writer;  // its writer, whose checkpoints retention counts as this run's
+  int64_t resumed_step = -1;   // its step (-1: none)
   std::vector<std::string> skipped;  // newer checkpoints passed over as damaged, and why
   bool resumed_named = false;  // resume_dir is the checkpoint itself (DIR/step-N), not a directory of them
   // Who writes this run's checkpoints: the job and generation, or, outside a
@@ -427,8 +442,27 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
           "the checkpoint to resume from, ", run->resume, ", is after step ", state.step,
           ", past the run's last step ", o.steps, ": raise steps, or resume from an earlier checkpoint"));
     }
+    // The precision it was trained at: a run that left it to the device
+    // (auto) takes the checkpoint's, so that a job restarted on workers of
+    // the other kind (bf16 on a GPU, fp32 on a CPU) resumes; one that named
+    // another is refused here, not by the first parameter's copy.
+    if (state.param_dtype.has_value() && *state.param_dtype != o.shard.param_dtype) {
+      if (!o.precision_auto) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("the checkpoint to resume from, ", run->resume, ", was trained at precision ",
+                         PrecisionName(*state.param_dtype), ", this run asks for ", PrecisionName(o.shard.param_dtype),
+                         ": resume at ", PrecisionName(*state.param_dtype),
+                         " (or auto, which takes the checkpoint's), or start "
+                         "a run from its model (`coloctl consolidate --checkpoint ",
+                         run->resume, " --out DIR`)"));
+      }
+      COLOD_LOG(INFO) << "resuming " << run->resume << " at its precision, " << PrecisionName(*state.param_dtype)
+                      << " (auto; this device's default is " << PrecisionName(o.shard.param_dtype) << ")";
+      run->options.shard.param_dtype = *state.param_dtype;
+    }
     run->seed = state.seed;  // the sampler continues the stream it was on
     run->resumed_writer = state.job;
+    run->resumed_step = state.step;
   }
   const int64_t rows = o.batch_size / dp;
   if (rows * dp != o.batch_size || rows % o.micro_batches != 0) {
@@ -749,6 +783,21 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   ASSIGN_OR_RETURN(int replica, pg.dp_local_rank());
   int64_t first = 0;
   RankStart start;
+  // Each rank chose the newest checkpoint on its own (PrepareTrain): a save
+  // of another job into the directory, or a file system's listing that
+  // lagged on one host, between two ranks' choices would have them train
+  // from different steps, with different weights, without a word.
+  if (!o.resume_dir.empty()) {
+    if (const absl::Status same =
+            SameOverMesh(pg, run.resumed_step, shard.device,
+                         absl::StrCat("the ranks chose different checkpoints in ", o.resume_dir,
+                                      " to resume from (its step; -1: none): one may have been written or removed "
+                                      "meanwhile, or a worker's view of the directory lags; resume again, or name "
+                                      "one, DIR/step-N"));
+        !same.ok()) {
+      return same;
+    }
+  }
   if (!run.resume.empty()) {
     ASSIGN_OR_RETURN(Resumed r, RestoreTrainingCheckpoint(run.resume, chunks, optimizer));
     first = r.step;
@@ -1052,8 +1101,12 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
 
 }  // namespace
 
-absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard,
+absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, const shardformer::ShardConfig& given,
                           const RankHooks& hooks) {
+  // At the run's precision: a resumed run's may be its checkpoint's
+  // (TrainOptions::precision_auto).
+  shardformer::ShardConfig shard = given;
+  shard.param_dtype = run.options.shard.param_dtype;
   const absl::Status s = RunTrainSteps(run, rank, pg, shard, hooks);
   if (s.ok() || shard.pp() < 2) return s;
   // A pipelined run's error names the stage it came from.

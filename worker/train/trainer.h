@@ -57,6 +57,11 @@ struct TrainOptions {
   // interleaved schedule over that many model chunks a rank (micro_batches a
   // multiple of the stages).
   shardformer::ShardConfig shard;
+  // shard.param_dtype is the device's default, not the user's choice (a job
+  // spec without a precision): a resumed run takes the checkpoint's instead
+  // (a job restarted on workers of the other device kind, a CPU run resumed
+  // on a GPU).
+  bool precision_auto = false;
   int64_t bucket_bytes = 25 << 20;
   int zero_stage = 0;         // ZeRO over dp: 0, 1 (optimizer state) or 2 (and gradients); data_parallel.h
   // Held-out evaluation (job.proto's TrainConfig.eval_*): eval_data_path
@@ -231,7 +236,9 @@ struct RankHooks {
   std::function<bool()> drain;
 };
 
-// One rank's training loop on `pg` (every rank of the mesh must run it).
+// One rank's training loop on `pg` (every rank of the mesh must run it), at
+// `shard`'s layout and device and the run's precision (a resumed run's may
+// be its checkpoint's: TrainOptions::precision_auto).
 // With pipeline stages an error names the stage ("pipeline stage 1 of 2: ...").
 absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard,
                           const RankHooks& hooks);

@@ -927,6 +927,44 @@ TEST(Trainer, AnInterruptedRunResumesWithTheSameLossesBitwise) {
   EXPECT_NE(refused_model.message().find("num_layers 2, not 1"), std::string::npos) << refused_model;
 }
 
+// A run that leaves its precision to the device (a job spec without one:
+// bf16 on a GPU, fp32 on a CPU) resumes a checkpoint at the checkpoint's
+// precision, so that a job restarted on workers of the other kind goes on
+// with the uninterrupted run's losses (the copy of the first parameter
+// failed, INVALID_ARGUMENT, and the job with it for good). A run that names
+// another precision is refused, saying which.
+TEST(Trainer, AResumeAtTheDevicesPrecisionTakesTheCheckpoints) {
+  const std::string model = TinyModel("train_resume_precision");
+  for (const DType trained : {DType::kBF16, DType::kF32}) {
+    const DType other = trained == DType::kF32 ? DType::kBF16 : DType::kF32;
+    SCOPED_TRACE(absl::StrCat("trained at ", DTypeName(trained)));
+    TrainOptions full = Options(model, 1, 2);
+    full.shard.param_dtype = trained;
+    full.steps = 6;
+    const std::vector<StepStats> want = Losses(full);
+    ASSERT_EQ(want.size(), 6u);
+    TrainOptions cut = full;
+    cut.save_dir = TempPath(absl::StrCat("ck_precision_", DTypeName(trained)));
+    cut.stop_after = 3;
+    ASSERT_EQ(Losses(cut).size(), 3u);
+    TrainOptions resumed = full;
+    resumed.resume_dir = cut.save_dir;
+    resumed.shard.param_dtype = other;  // the other device kind's default ...
+    resumed.precision_auto = true;      // ... which the job did not choose
+    const std::vector<StepStats> rest = Losses(resumed);
+    ASSERT_EQ(rest.size(), 3u);
+    for (size_t i = 0; i < rest.size(); ++i) EXPECT_EQ(rest[i].loss, want[i + 3].loss) << "step " << i + 4;
+    EXPECT_EQ(rest[0].param_bytes, want[0].param_bytes);  // at the checkpoint's dtype
+    resumed.precision_auto = false;                       // named
+    const absl::Status refused = Train(resumed, nullptr);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+    EXPECT_TRUE(absl::StrContains(
+        refused.message(), absl::StrCat("was trained at precision ", trained == DType::kF32 ? "fp32" : "bf16 mixed",
+                                        ", this run asks for ", other == DType::kF32 ? "fp32" : "bf16 mixed")))
+        << refused;
+  }
+}
+
 TEST(Trainer, MixedPrecisionTracksTheF32RunWithF32MasterWeights) {
   const std::string model = TinyModel("train_bf16");
   const std::vector<StepStats> f32 = Losses(Options(model, 2, 2));
