@@ -1401,6 +1401,46 @@ TEST(JobManager, ALogCutShortOrOlderThanItsSnapshotIsReadBackSafely) {
   EXPECT_TRUE(std::filesystem::exists(dir + "/job-000078.log.damaged"));
 }
 
+// A log folded into its snapshot at start (here one ending in a torn
+// entry, a crash mid-append) whose rewrite fails (a full disk) is folded
+// by the next write, whole: a change appended after the torn entry would
+// never be read back (the job's cancel, a new generation, lost at the next
+// start).
+TEST(JobManager, AFoldThatFailsAtStartLeavesTheNextWriteWhole) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-fold-fails";
+  std::filesystem::remove_all(dir);
+  FakeClock clock;
+  std::string id;
+  {
+    auto jobs = JobManager::Open(dir, &clock);
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    id = (*jobs)->Submit(TrainSpec(), "")->job_id();
+    ASSERT_TRUE((*jobs)->Schedule(id, v1::MeshSpec()).ok());
+    ASSERT_TRUE((*jobs)->SetState(id, v1::JOB_STATE_RUNNING, "go").ok());
+    clock.Advance(absl::Seconds(2));
+    ASSERT_TRUE((*jobs)->AddStep(id, TrainedStep(1)).ok());
+  }
+  const std::string log = dir + "/" + id + ".log";
+  ASSERT_TRUE(std::filesystem::exists(log));
+  {
+    std::ofstream out(log, std::ios::binary | std::ios::app);
+    out << std::string("\x40\x00\x00\x00partial", 11);  // an entry of 64 bytes, 7 of them written
+  }
+  {
+    std::optional<testing::FullDisk> disk(std::in_place, 16);  // the fold cannot be written
+    auto jobs = JobManager::Open(dir, &clock);
+    disk.reset();
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    ASSERT_TRUE(std::filesystem::exists(log)) << "the fold was written after all";
+    ASSERT_TRUE((*jobs)->Cancel(id, "after the restart").ok());
+    EXPECT_FALSE(std::filesystem::exists(log)) << "the change was appended after the torn entry";
+  }
+  auto reopened = JobManager::Open(dir, &clock);
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  const v1::Job job = *(*reopened)->Get(id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_CANCELLED) << job.reason();
+}
+
 // A record that cannot be written for want of room asks for room (the
 // coordinator gives up its reserve): the write, tried again, puts on disk
 // what watchers are sent, so a crash then takes nothing back. Meanwhile no
