@@ -119,8 +119,9 @@ constexpr Command kCommands[] = {
      "              with it, a running job that saves checkpoints is drained at the stop (a\n"
      "              checkpoint after the same step on every rank, within 6 s) and goes on\n"
      "              from it at the next start.\n"
-     "              A CUDA worker whose device faulted (it exits 70) is started again, up\n"
-     "              to 3 times; a worker that exits otherwise is said on stderr.\n",
+     "              A worker that asks for a new process (exit 70: a CUDA device that\n"
+     "              faulted; 71: an exception that escaped every handler) is started again,\n"
+     "              up to 3 times; a worker that exits otherwise is said on stderr.\n",
      RunLocal},
     {"health", "ADDR", "service",
      "  health ADDR Check the gRPC health (grpc.health.v1) of the daemon at HOST:PORT within\n"

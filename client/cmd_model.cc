@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "client/cli.h"
 #include "client/commands.h"
 #include "client/format.h"
@@ -81,6 +84,9 @@ int RunForward(const std::vector<std::string>&) {
   }
   auto files = ForwardFilesFromFlags();
   if (!files.ok()) return Usage(std::string(files.status().message()));
+  if (absl::GetFlag(FLAGS_upload_timeout) <= absl::ZeroDuration()) {
+    return Usage("forward: --upload-timeout: must be > 0");
+  }
   auto shard = ShardFromFlags();
   if (!shard.ok()) return Usage(std::string(shard.status().message()));
   // A FORWARD job on the daemons: --coordinator's, or an embedded cluster.
@@ -220,18 +226,35 @@ int RunPlan(const std::vector<std::string>&) {
   // As a job on the workers: auto precision is fp32 on CPU workers, bf16 on GPUs.
   auto parsed = TrainSpecFromFlags(/*require_data=*/false);
   if (!parsed.ok()) return Usage(absl::StrCat("plan: ", parsed.status().message()));
-  const v1::JobSpec& spec = *parsed;
+  v1::JobSpec spec = *parsed;
   // The attention keeps less on CUDA workers (the fused kernel keeps no
   // probabilities).
   auto cuda = CudaFromFlags();
   if (!cuda.ok()) return Usage(absl::StrCat("plan: ", cuda.status().message()));
   const PlanDevice device = *cuda ? PlanDevice::kCuda : PlanDevice::kCpu;
+  // Auto precision is what the workers planned for run at: bf16 mixed on
+  // GPUs (planned in fp32 until 2026-12).
+  const bool auto_precision = spec.train().precision() == v1::PRECISION_UNSPECIFIED;
+  if (auto_precision && *cuda) spec.mutable_train()->set_precision(v1::PRECISION_BF16_MIXED);
   auto config = ReadModelConfig(absl::GetFlag(FLAGS_model));
   if (!config.ok()) return Fail(config.status());
   const int world = absl::GetFlag(FLAGS_world);
   const std::string memory_flag = absl::GetFlag(FLAGS_memory_per_rank);
   const bool json = JsonOutput();
   if (world != 0 || !memory_flag.empty()) {
+    // The search sets the layout itself: a layout's flags would be ignored.
+    if (world != 0) {
+      std::vector<std::string> layout;
+      const std::set<std::string> given = GivenFlags();
+      for (const char* flag : {"tp", "dp", "pp", "mode", "depth", "pp_layers", "virtual_stages"}) {
+        if (given.count(flag)) layout.push_back(absl::StrCat("--", absl::StrReplaceAll(flag, {{"_", "-"}})));
+      }
+      if (!layout.empty()) {
+        return Usage(absl::StrCat("plan --world: ", absl::StrJoin(layout, ", "),
+                                  " do not apply: --world ranks every layout of that many ranks (leave --world out "
+                                  "to plan one layout)"));
+      }
+    }
     if (world < 1) {
       return Usage(world == 0 ? "plan: --memory-per-rank goes with --world N (N >= 1)"
                               : absl::StrCat("plan: --world ", world, " is not a number of ranks (N >= 1)"));
@@ -281,10 +304,11 @@ int RunPlan(const std::vector<std::string>&) {
               static_cast<long long>(plan->batch_size), static_cast<long long>(plan->seq_len),
               plan->grad_accum > 1 ? absl::StrCat("pass, ", plan->grad_accum, " passes a step").c_str() : "step",
               static_cast<long long>(plan->micro_batches), plan->micro_batches == 1 ? "" : "es",
-              t.precision() == v1::PRECISION_BF16_MIXED   ? "bf16 mixed"
+              auto_precision
+                  ? (*cuda ? "bf16 mixed (auto, as on GPU workers)" : "fp32 (auto, as on CPU workers; bf16 on GPUs)")
+              : t.precision() == v1::PRECISION_BF16_MIXED ? "bf16 mixed"
               : t.precision() == v1::PRECISION_FP16_MIXED ? "fp16 mixed"
-              : t.precision() == v1::PRECISION_FP32       ? "fp32"
-                                                          : "fp32 (auto, as on CPU workers; bf16 on GPUs)",
+                                                          : "fp32",
               t.optimizer() == v1::OPTIMIZER_SGD ? "sgd" : "adamw");
   std::printf("\nper rank (%lld parameters):\n", static_cast<long long>(plan->rank_parameters));
   std::printf("%s", RenderTable({"MEMORY", "BYTES"}, {{"parameters", Bytes(plan->param_bytes)},

@@ -427,8 +427,18 @@ absl::StatusOr<v1::Job> SubmitTensorJob(CoordinatorClient& client, const std::st
 absl::Status UploadModelIfAsked(CoordinatorClient& client, v1::JobSpec& spec, bool json) {
   if (!absl::GetFlag(FLAGS_upload) || spec.model().weights_path().empty()) return absl::OkStatus();
   // The workers may not see this machine's files: send them along.
-  ASSIGN_OR_RETURN(const v1::UploadModelResponse uploaded,
-                   client.UploadModel(spec.model().weights_path(), absl::GetFlag(FLAGS_upload_timeout)));
+  const absl::Duration limit = absl::GetFlag(FLAGS_upload_timeout);
+  const absl::Time start = absl::Now();
+  absl::StatusOr<v1::UploadModelResponse> sent = client.UploadModel(spec.model().weights_path(), limit);
+  if (absl::IsDeadlineExceeded(sent.status()) && absl::Now() - start >= limit) {
+    // The upload's own limit, not an unreachable coordinator (exit 1, not
+    // 69: trying again as it is ends the same way).
+    return absl::DeadlineExceededError(absl::StrCat(
+        "the upload of ", spec.model().weights_path(), " did not finish within --upload-timeout ",
+        absl::FormatDuration(limit), " (", sent.status().message(), "): raise --upload-timeout, or give the workers ",
+        "the model's directory on a file system they share and --upload=false"));
+  }
+  ASSIGN_OR_RETURN(const v1::UploadModelResponse uploaded, std::move(sent));
   if (!json) {
     std::fprintf(stderr, "coloctl: uploaded %d files (%lld bytes) of %s as %s%s\n", uploaded.files_size(),
                  static_cast<long long>(uploaded.bytes()), spec.model().weights_path().c_str(),

@@ -17,6 +17,7 @@
 #include "colod/v1/job.pb.h"
 
 ABSL_DECLARE_FLAG(std::string, model);
+ABSL_DECLARE_FLAG(absl::Duration, upload_timeout);
 ABSL_DECLARE_FLAG(std::string, name);
 ABSL_DECLARE_FLAG(uint64_t, seed);
 ABSL_DECLARE_FLAG(std::string, data_format);

@@ -1212,6 +1212,14 @@ TEST_F(JobsTest, ModelsUploadedThroughTheCoordinatorTrainLikeModelsOnDisk) {
     EXPECT_EQ(refused.code, 2) << bad[0] << ": " << refused.err << refused.out;
     EXPECT_FALSE(absl::StrContains(refused.err, "uploaded")) << refused.err;
   }
+  // An upload past --upload-timeout says so, and is not "unreachable" (69:
+  // a retry as it is ends the same way).
+  auto slow =
+      RunCommand({Runfile("client/coloctl"), "--coordinator", coordinator_.grpc, "submit", "--model", TempPath("gpt2"),
+                  "--data", kGpl, "--batch-size", "4", "--seq-len", "32", "--upload-timeout=1us"},
+                 TempPath(""), absl::Seconds(60));
+  EXPECT_EQ(slow.code, 1) << slow.err;
+  EXPECT_TRUE(absl::StrContains(slow.err, "did not finish within --upload-timeout 1us")) << slow.err;
 
   // A YAML job file, sent as it is (the workers read the weights' path).
   std::ofstream(TempPath("job.yaml")) << "name: from-yaml\nkind: JOB_KIND_TRAIN\nmodel:\n  weightsPath: "

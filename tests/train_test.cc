@@ -124,6 +124,20 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
   EXPECT_NE(tiny.out.find("more than"), std::string::npos) << tiny.out;
   const auto unsized = Coloctl({"plan", "--model", model->dir, "--world", "4", "--memory-per-rank", "lots"});
   EXPECT_EQ(unsized.code, 2) << unsized.err;
+  // --world ranks every layout: a layout's flags would be ignored.
+  const auto fixed = Coloctl({"plan", "--model", model->dir, "--world", "4", "--tp", "2", "--mode", "1d"});
+  EXPECT_EQ(fixed.code, 2) << fixed.err;
+  EXPECT_NE(fixed.err.find("plan --world: --tp, --mode do not apply"), std::string::npos) << fixed.err;
+  // On GPU workers auto precision is bf16 mixed: planned so (2-byte parameters).
+  const auto on_gpus = Coloctl({"plan", "--model", model->dir, "--batch-size", "4", "--seq-len", "32", "--tp", "2",
+                                "--dp", "2", "--device", "cuda", "--output", "json"});
+  ASSERT_EQ(on_gpus.code, 0) << on_gpus.err;
+  const nlohmann::json g = nlohmann::json::parse(on_gpus.out, nullptr, false);
+  ASSERT_TRUE(g.is_object()) << on_gpus.out;
+  EXPECT_EQ(g["param_bytes"].get<int64_t>() * 2, p["param_bytes"].get<int64_t>());
+  const auto gpu_text = Coloctl({"plan", "--model", model->dir, "--seq-len", "32", "--device", "cuda"});
+  ASSERT_EQ(gpu_text.code, 0) << gpu_text.err;
+  EXPECT_NE(gpu_text.out.find("bf16 mixed (auto, as on GPU workers)"), std::string::npos) << gpu_text.out;
 
   // The trained model loads again, at another layout, and is not the initial one.
   ASSERT_TRUE(WriteNpy(TempPath("ids.npy"), shardformer::testing::TokenIds(2, 16, 257, 1)).ok());
