@@ -1,6 +1,7 @@
 #include "worker/shardformer/checkpoint.h"
 
 #include <algorithm>
+#include <array>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -291,6 +292,10 @@ absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& ou
   }
   std::map<std::string, Tensor> out;
   std::map<std::string, int64_t> filled;  // elements of each checkpoint tensor written
+  // Where in each Hugging Face tensor a checkpoint tensor went: (dim, start,
+  // length), dim -1 for the whole. The elements filled adding up to the
+  // tensor's is not enough: two pieces over one range leave another zero.
+  std::map<std::string, std::vector<std::array<int64_t, 3>>> ranges;
   for (const auto& [name, t] : index.tensors) {
     ASSIGN_OR_RETURN(Tensor whole, Tensor::Zeros(t.global_shape, DType::kF32));
     for (const CheckpointBlock& b : t.blocks) {
@@ -312,6 +317,14 @@ absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& ou
     }
     const absl::Status placed = PlaceInHf(t.hf, *slice, it->second);
     if (!placed.ok()) return Damaged(dir, absl::StrCat(name, ": ", placed.message()));
+    const std::array<int64_t, 3> range = {t.hf.narrow_dim, t.hf.narrow_dim >= 0 ? t.hf.narrow_start : 0,
+                                          t.hf.narrow_dim >= 0 ? slice->shape()[t.hf.narrow_dim] : 0};
+    for (const std::array<int64_t, 3>& other : ranges[t.hf.name]) {
+      if (range[0] < 0 || other[0] != range[0] || (other[1] < range[1] + range[2] && range[1] < other[1] + other[2])) {
+        return Damaged(dir, absl::StrCat(name, ": its piece of ", t.hf.name, " overlaps another's"));
+      }
+    }
+    ranges[t.hf.name].push_back(range);
     filled[t.hf.name] += slice->numel();
   }
   std::vector<std::pair<std::string, Tensor>> tensors;

@@ -375,5 +375,37 @@ TEST(Checkpoint, AHostileIndexIsRefusedBeforeItIsActedOn) {
   ExpectSameTensors(TempPath("ck5_out"), *model);
 }
 
+// Two fused parts (2D's c_attn, "weight[0]" and "weight[1]") placed over
+// one range of their Hugging Face tensor, the elements still adding up:
+// refused, not a third of the tensor left zero.
+TEST(Checkpoint, PiecesThatOverlapInTheirHuggingFaceTensorAreRefused) {
+  auto model = testing::WriteTinyGpt2(TempPath("ck6_gpt2"));
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::string checkpoint = TempPath("ck6_sharded");
+  Save(model->dir, Layout(4, 1, v1::TENSOR_PARALLEL_MODE_2D), checkpoint);
+  const nlohmann::json good = Index(checkpoint);
+  std::string first_part, second_part;
+  for (const auto& [n, t] : good["tensors"].items()) {
+    if (!first_part.empty() || t["hf"]["narrow_dim"].get<int64_t>() < 0) continue;
+    for (const auto& [m, u] : good["tensors"].items()) {
+      if (m != n && u["hf"]["name"] == t["hf"]["name"] && first_part.empty()) {
+        first_part = n;
+        second_part = m;
+      }
+    }
+  }
+  ASSERT_FALSE(first_part.empty()) << good.dump();
+  nlohmann::json bad = good;
+  bad["tensors"][second_part]["hf"]["narrow_start"] = good["tensors"][first_part]["hf"]["narrow_start"];
+  std::ofstream(checkpoint + "/" + kCheckpointIndex) << bad.dump();
+  const absl::Status s = ConsolidateCheckpoint(checkpoint, TempPath("ck6_out"));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find(" overlaps another's"), std::string::npos) << s;
+  EXPECT_FALSE(std::filesystem::exists(TempPath("ck6_out") + "/model.safetensors"));
+  std::ofstream(checkpoint + "/" + kCheckpointIndex, std::ios::trunc) << good.dump();
+  ASSERT_TRUE(ConsolidateCheckpoint(checkpoint, TempPath("ck6_out")).ok());
+  ExpectSameTensors(TempPath("ck6_out"), *model);
+}
+
 }  // namespace
 }  // namespace colod::shardformer

@@ -772,7 +772,7 @@ absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
 
 absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
                                                   const std::vector<shardformer::ShardedModel*>& chunks,
-                                                  Optimizer& optimizer) {
+                                                  Optimizer& optimizer, bool parameters_only) {
   if (chunks.empty()) return absl::InvalidArgumentError("a restore into no model chunk");
   shardformer::ShardedModel& model = *chunks.front();
   ProcessGroup* pg = model.process_group();
@@ -824,6 +824,7 @@ absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
     Tensor local = param.local();
     RETURN_IF_ERROR(local.CopyFrom(value));
   }
+  if (parameters_only) return ReadTrainState(checkpoint);
   // Each state tensor of this rank's slices is put together from the pieces
   // the ranks holding the same shards wrote (whole, or ZeRO's partitions at
   // any dp size).

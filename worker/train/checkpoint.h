@@ -192,9 +192,11 @@ absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint);
 absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint, shardformer::ShardedModel& model,
                                                   Optimizer& optimizer);
 // Into every model chunk a rank holds (written at the same virtual stages).
+// `parameters_only`: the optimizer's state is not read (an evaluation, which
+// updates nothing: a checkpoint of another optimizer's evaluates too).
 absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
                                                   const std::vector<shardformer::ShardedModel*>& chunks,
-                                                  Optimizer& optimizer);
+                                                  Optimizer& optimizer, bool parameters_only = false);
 
 namespace internal {
 // Testing only, a fault-injection seam for the race a save can lose: where

@@ -181,6 +181,13 @@ TEST(Eval, EvaluatingLeavesTrainingAsItIsAndEveryLayoutAgrees) {
   const EvalStats resumed = EvalOnly(of_checkpoint);
   EXPECT_EQ(resumed.step, 3);
   EXPECT_NEAR(resumed.loss, want, 1e-5 * want) << "resumed from step 3 with steps 1";
+  // An evaluation updates nothing: it reads no optimizer state, so one of
+  // another optimizer's checkpoint (SGD's, AdamW's here) evaluates too.
+  TrainOptions other_optimizer = of_checkpoint;
+  other_optimizer.optimizer.kind = of_checkpoint.optimizer.kind == OptimizerOptions::Kind::kSgd
+                                       ? OptimizerOptions::Kind::kAdamW
+                                       : OptimizerOptions::Kind::kSgd;
+  EXPECT_NEAR(EvalOnly(other_optimizer).loss, want, 1e-5 * want) << "another optimizer's run";
   if (kernels::CudaDeviceCount() < 4) GTEST_SKIP() << "needs 4 CUDA devices (the emulation has them)";
   TrainOptions nccl = WithLayout(of_final, 2, 1, 2);
   nccl.cuda = true;

@@ -799,7 +799,8 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     }
   }
   if (!run.resume.empty()) {
-    ASSIGN_OR_RETURN(Resumed r, RestoreTrainingCheckpoint(run.resume, chunks, optimizer));
+    ASSIGN_OR_RETURN(Resumed r, RestoreTrainingCheckpoint(run.resume, chunks, optimizer,
+                                                          /*parameters_only=*/o.eval_only));
     first = r.step;
     if (rank == 0 && !o.job.empty() && r.job == o.job && !o.eval_only && !r.report.empty()) {
       start.checkpoint_step = StepFromReport(r.report, r.step, run.resume);
