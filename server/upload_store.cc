@@ -267,6 +267,13 @@ absl::StatusOr<v1::UploadModelResponse> UploadStore::Writer::Finish() {
   if (absl::Status s = SyncFilesAndDirectory(tmp_); !s.ok()) return s;
   fs::rename(tmp_, final_, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot publish the upload: ", ec.message()));
+  // The rename durable before the upload id is handed out (a job record
+  // naming it survives a power loss; the upload must too): not left to the
+  // hash's write below, which may fail on a full disk.
+  if (absl::Status s = SyncDirectory(fs::path(final_).parent_path().string()); !s.ok()) {
+    fs::remove_all(final_, ec);  // not published: the writer's end gives its room back
+    return s;
+  }
   if (absl::Status s = WriteFileAtomically(final_ + ".sha256", sha + "\n"); !s.ok()) {
     COLOD_LOG(WARNING) << "upload " << id_ << ": its hash is not recorded (it will not deduplicate): " << s;
   }

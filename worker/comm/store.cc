@@ -79,11 +79,14 @@ absl::Status FileStore::Set(absl::string_view key, std::string value) {
 
 absl::StatusOr<std::string> FileStore::Get(absl::string_view key) {
   RETURN_IF_ERROR(ValidateKey(key));
-  std::ifstream in(PathOf(key), std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("key '", key, "' is not set in ", dir_));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  absl::StatusOr<std::string> value = ReadFileToString(PathOf(key));
+  // Missing: not set yet. Another error (EACCES, EIO, ESTALE on a shared
+  // directory) is said as it is, not as a key that never came.
+  if (absl::IsNotFound(value.status())) {
+    return absl::NotFoundError(absl::StrCat("key '", key, "' is not set in ", dir_));
+  }
+  if (!value.ok()) return absl::UnavailableError(absl::StrCat("file store: ", value.status().message()));
+  return value;
 }
 
 absl::StatusOr<std::vector<std::string>> FileStore::Wait(const std::vector<std::string>& keys,
@@ -100,8 +103,10 @@ absl::StatusOr<std::vector<std::string>> FileStore::Wait(const std::vector<std::
       auto v = Get(k);
       if (v.ok()) {
         values.push_back(*std::move(v));
-      } else {
+      } else if (absl::IsNotFound(v.status())) {
         missing.push_back(k);
+      } else {
+        return v.status();  // at once, not as missing keys after the timeout
       }
     }
     if (missing.empty()) return values;

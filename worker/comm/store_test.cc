@@ -3,13 +3,14 @@
 #include "worker/comm/store.h"
 
 #include <cstdlib>
+#include <filesystem>
 #include <thread>
 
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
-#include "tests/testing/temp_dir.h"
 #include "server/coordinator.h"
+#include "tests/testing/temp_dir.h"
 #include "worker/comm/coordinator_store.h"
 
 namespace colod {
@@ -126,6 +127,28 @@ TYPED_TEST(StoreContract, AMissingRankIsDeadlineExceededWithinTheTimeout) {
 TEST(FileStore, RefusesAnUncreatableDirectory) {
   EXPECT_EQ(FileStore::Open("/proc/colod-cannot-create").status().code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+// A key whose file is there but cannot be read (here a directory in its
+// place; EIO, ESTALE on a shared file system) is an error at once, saying
+// so, not a key that never came after the whole timeout.
+TEST(FileStore, AKeyThatCannotBeReadIsAnErrorAtOnceNotAMissingKey) {
+  const std::string dir = testing::TempPath("filestore-unreadable");
+  auto store = FileStore::Open(dir);
+  ASSERT_TRUE(store.ok()) << store.status();
+  ASSERT_TRUE((*store)->Set("addr/0", "x").ok());
+  std::string path;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(dir)) {
+    if (entry.is_regular_file()) path = entry.path().string();
+  }
+  ASSERT_FALSE(path.empty());
+  std::filesystem::remove(path);
+  std::filesystem::create_directory(path);
+  const absl::Time start = absl::Now();
+  auto r = (*store)->Wait({"addr/0"}, absl::Seconds(20));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+  EXPECT_NE(r.status().message().find("file store: "), absl::string_view::npos) << r.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
 }
 
 }  // namespace
