@@ -3,6 +3,8 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <map>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -179,12 +181,34 @@ int TensorWith(CoordinatorClient& c, const std::vector<std::string>& operands, b
   auto need = [&](size_t n, const char* what) {
     return operands.size() == n ? 0 : Usage(absl::StrCat("tensor ", sub, ": expected ", what));
   };
+  // Each subcommand's own flags of the command's (`tensor create J x --tp 4`
+  // would otherwise run without a word about --tp).
+  static const std::map<std::string, std::set<std::string>> kOwn = {{"demo", {"tp", "dp", "mode", "depth"}},
+                                                                    {"create", {"shape", "spec", "seed"}},
+                                                                    {"reshard", {"spec"}},
+                                                                    {"get", {"rank", "out"}},
+                                                                    {"list", {}},
+                                                                    {"delete", {}}};
+  const auto own = kOwn.find(sub);
+  if (own == kOwn.end()) return Usage(absl::StrCat("tensor: unknown subcommand '", sub, "'"));
+  std::vector<std::string> foreign;
+  const std::set<std::string> given = GivenFlags();
+  for (const char* flag : {"tp", "dp", "mode", "depth", "shape", "rank", "out", "spec", "seed"}) {
+    if (given.count(flag) && !own->second.count(flag)) foreign.push_back(absl::StrCat("--", flag));
+  }
+  if (!foreign.empty()) {
+    return Usage(absl::StrCat("tensor ", sub, ": ", absl::StrJoin(foreign, ", "), " do",
+                              foreign.size() == 1 ? "es" : "",
+                              " not apply to it (coloctl tensor --help says which flags each subcommand takes)"));
+  }
+  if (sub == "get" && absl::GetFlag(FLAGS_rank) < -1) {
+    return Usage(absl::StrCat("tensor get: --rank ", absl::GetFlag(FLAGS_rank),
+                              " is not a rank (leave it out for "
+                              "the gathered value)"));
+  }
   if (sub == "demo") {
     if (int u = need(1, "no arguments")) return u;
     return TensorDemo(c, json);
-  }
-  if (sub != "list" && sub != "delete" && sub != "get" && sub != "create" && sub != "reshard") {
-    return Usage(absl::StrCat("tensor: unknown subcommand '", sub, "'"));
   }
   if (int u = need(sub == "list" ? 2 : 3, sub == "list" ? "JOB" : "JOB NAME")) return u;
   std::vector<int64_t> shape;  // create's, checked before any call

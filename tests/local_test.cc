@@ -615,6 +615,16 @@ TEST(Local, CommandsRefuseWhatTheyWouldIgnore) {
   r = run({"--coordinator", nowhere, "submit", "--job-file", "/nonexistent.json", "--tp", "2", "--name", "x"});
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("submit --job-file: --name, --tp do not apply"), std::string::npos) << r.err;
+  // A tensor subcommand given another's flag: refused before any call.
+  r = run({"--coordinator", nowhere, "tensor", "create", "job-000001", "x", "--shape", "4,6", "--tp", "4"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("tensor create: --tp does not apply to it"), std::string::npos) << r.err;
+  r = run({"--coordinator", nowhere, "tensor", "list", "job-000001", "--rank", "1", "--spec", "tp=R"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("tensor list: --rank, --spec do not apply to it"), std::string::npos) << r.err;
+  r = run({"--coordinator", nowhere, "tensor", "get", "job-000001", "x", "--rank", "-5"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("tensor get: --rank -5 is not a rank"), std::string::npos) << r.err;
   // A job file the coordinator would refuse: refused here (2), no call made
   // to the unreachable coordinator (69).
   const std::string bad_file = std::string(std::getenv("TEST_TMPDIR")) + "/bad-job.json";
