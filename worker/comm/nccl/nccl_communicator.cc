@@ -284,7 +284,11 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(Store
   std::unique_ptr<NcclCommunicator> c(new NcclCommunicator(rank, size, options));
   ncclConfig_t config = NonBlockingConfig();
   ncclComm_t comm = nullptr;
-  NCCL_RETURN_IF_ERROR(ncclCommInitRankConfig(&comm, size, id, rank, &config));
+  if (const ncclResult_t r = ncclCommInitRankConfig(&comm, size, id, rank, &config);
+      r != ncclSuccess && r != ncclInProgress) {
+    if (comm != nullptr) ncclCommAbort(comm);  // a half-made handle: nobody else would release it
+    return NcclStatus(r, "ncclCommInitRankConfig", __FILE__, __LINE__);
+  }
   RETURN_IF_ERROR(c->Adopt(comm, "init"));
   return c;
 }
@@ -316,10 +320,21 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Split(int co
   // after a timeout here): into a slot that lives as long as this communicator.
   auto slot = std::make_shared<ncclComm_t>(nullptr);
   split_slots_.push_back(slot);
+  ncclResult_t split = ncclSuccess;
   {
     absl::ReaderMutexLock lock(&mu_);
     if (comm_ == nullptr) return error_;
-    NCCL_RETURN_IF_ERROR(ncclCommSplit(comm_, color, key, slot.get(), &config));
+    split = ncclCommSplit(comm_, color, key, slot.get(), &config);
+  }
+  if (split != ncclSuccess && split != ncclInProgress) {
+    // As a split that fails later (below): the parent aborted (the header's
+    // contract: this rank's next collective would wait for peers gone on
+    // into the split), and a half-made child too.
+    const absl::Status failed = NcclStatus(split, "ncclCommSplit", __FILE__, __LINE__);
+    AbortWith(failed);
+    if (*slot != nullptr) ncclCommAbort(*slot);
+    *slot = nullptr;
+    return failed;
   }
   const std::string what = absl::StrCat("split into group ", group.empty() ? "?" : group);
   absl::Status ready = WaitReady(absl::Now() + options_.timeout, Describe(what), /*joining=*/true);

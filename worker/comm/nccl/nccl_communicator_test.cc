@@ -358,6 +358,25 @@ TEST_F(NcclRanks, APeerThatNeverSplitsFailsTheSplitAndAbortsTheParent) {
   });
 }
 
+// A split NCCL refuses at once (here a color it cannot take) aborts the
+// parent, as the header says and as a split that fails later does (it
+// returned with the parent live, and its rank's next collective waited for
+// peers that had gone on into the split). The peer, in the split alone,
+// fails at its timeout with its parent aborted too.
+TEST_F(NcclRanks, ASplitRefusedAtOnceAbortsTheParentToo) {
+  const absl::Duration timeout = absl::Seconds(2);
+  OnRanks(2, timeout, [&](int r, NcclCommunicator& comm) {
+    const absl::Time start = absl::Now();
+    auto sub = comm.Split(r == 0 ? -7 : 0, r, "tp");
+    EXPECT_FALSE(sub.ok());
+    if (r == 0) {
+      EXPECT_EQ(sub.status().code(), absl::StatusCode::kInvalidArgument) << sub.status();
+      EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+    }
+    EXPECT_FALSE(comm.AsyncError().ok()) << "rank " << r << ": the parent is not aborted";
+  });
+}
+
 // Destroys `comm` (device `device`) and waits for the device on a thread of
 // its own; false if they did not return within `limit` (the thread is then
 // left waiting, holding the communicator).
