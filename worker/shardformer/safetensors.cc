@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -234,18 +235,29 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<std::pa
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::set<std::string> names;
-  std::vector<std::string> payloads;
+  // A tensor in contiguous host memory is written from its own bytes; only
+  // the others (on a device, or a view with strides) are copied first, so
+  // that a model's write does not hold it twice (rank 0's consolidation of
+  // a large model held its F32 tensors and a copy of each).
+  std::deque<std::string> copies;
+  std::vector<absl::string_view> payloads;
   int64_t at = 0;
   for (const auto& [name, t] : tensors) {
     if (name.empty() || name == "__metadata__" || !names.insert(name).second) {
       return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor name '", name, "' is empty, reserved or repeated"));
     }
-    ASSIGN_OR_RETURN(std::string bytes, t.ReadBytes());
+    absl::string_view bytes;
+    if (!t.device().is_cuda() && t.is_contiguous()) {
+      bytes = absl::string_view(static_cast<const char*>(t.raw_data()), static_cast<size_t>(t.nbytes()));
+    } else {
+      ASSIGN_OR_RETURN(std::string copy, t.ReadBytes());
+      bytes = copies.emplace_back(std::move(copy));
+    }
     header[name] = {{"dtype", SafetensorsDTypeName(t.dtype())},
                     {"shape", t.shape()},
                     {"data_offsets", {at, at + static_cast<int64_t>(bytes.size())}}};
     at += static_cast<int64_t>(bytes.size());
-    payloads.push_back(std::move(bytes));
+    payloads.push_back(bytes);
   }
   std::string json = header.dump();
   json.append((8 - json.size() % 8) % 8, ' ');
