@@ -105,6 +105,41 @@ absl::Status ParseGpt2Config(const Json& j, const std::string& what, ModelConfig
   return absl::OkStatus();
 }
 
+// The rotary embeddings' scaling: `rope_scaling` (transformers 4), or
+// `rope_parameters` (transformers 5, which holds rope_theta too). colod
+// computes them unscaled, which is what "default", "linear" with factor 1
+// and "dynamic" compute (dynamic NTK changes the frequencies only past
+// max_position_embeddings, which no sequence of colod's reaches); any other
+// (Llama 3.1's "llama3", "yarn", "longrope", a linear factor) is refused,
+// since the model would load and compute another one without a word.
+absl::Status CheckRopeScaling(const Json& j, const std::string& what, ModelConfig& c) {
+  for (const char* field : {"rope_scaling", "rope_parameters"}) {
+    if (!j.contains(field) || j[field].is_null()) continue;
+    const Json& r = j[field];
+    if (!r.is_object()) return Field(what, field, "must be an object or null");
+    std::string type = "default";
+    for (const char* key : {"rope_type", "type"}) {
+      if (r.contains(key) && r[key].is_string()) type = r[key].get<std::string>();
+    }
+    double factor = 1;
+    if (r.contains("factor") && !r["factor"].is_null()) {
+      if (!r["factor"].is_number()) return Field(what, field, "factor must be a number");
+      factor = r["factor"].get<double>();
+    }
+    const bool unscaled = type == "default" || type == "dynamic" || (type == "linear" && factor == 1);
+    if (!unscaled) {
+      return Field(what, field,
+                   absl::StrCat(r.dump().substr(0, 200),
+                                " is not supported: rotary embeddings are computed "
+                                "unscaled (Llama 3.1 and later scale them: rope_type llama3)"));
+    }
+    if (std::string(field) == "rope_parameters") {
+      ASSIGN_OR_RETURN(c.rope_theta, Num(r, absl::StrCat(what, ": rope_parameters"), "rope_theta", c.rope_theta));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // The fields transformers' LlamaConfig reads, with its defaults.
 absl::Status ParseLlamaConfig(const Json& j, const std::string& what, ModelConfig& c) {
   ASSIGN_OR_RETURN(c.vocab_size, Int(j, what, "vocab_size"));
@@ -118,8 +153,7 @@ absl::Status ParseLlamaConfig(const Json& j, const std::string& what, ModelConfi
   ASSIGN_OR_RETURN(c.rope_theta, Num(j, what, "rope_theta", 10000));
   ASSIGN_OR_RETURN(c.activation, Str(j, "hidden_act", "silu"));
   ASSIGN_OR_RETURN(c.tie_word_embeddings, Bool(j, what, "tie_word_embeddings", false));
-  RETURN_IF_ERROR(OnlyAs(j, what, "rope_scaling", nullptr,
-                         "rotary embeddings are computed unscaled (Llama 3.1 and later scale them)"));
+  RETURN_IF_ERROR(CheckRopeScaling(j, what, c));
   RETURN_IF_ERROR(OnlyAs(j, what, "attention_bias", false, "colod's LLaMA projections have no biases"));
   RETURN_IF_ERROR(OnlyAs(j, what, "mlp_bias", false, "colod's LLaMA projections have no biases"));
   if (j.contains("head_dim") && !j["head_dim"].is_null() &&

@@ -30,6 +30,19 @@ TEST(ModelConfig, ParsesGpt2LlamaAndBert) {
   EXPECT_EQ(llama->num_kv_heads, 8);
   EXPECT_EQ(llama->rope_theta, 500000.0);
   EXPECT_FALSE(llama->tie_word_embeddings);
+  // Scalings that compute what unscaled rotary embeddings compute, up to
+  // max_position_embeddings (no sequence of colod's goes past it), and
+  // transformers 5's rope_parameters, which holds rope_theta.
+  for (const char* scaling :
+       {R"("rope_scaling":{"type":"dynamic","factor":2.0})", R"("rope_scaling":{"rope_type":"linear","factor":1.0})",
+        R"("rope_scaling":{"rope_type":"default"})",
+        R"("rope_parameters":{"rope_type":"default","rope_theta":500000.0})"}) {
+    auto scaled = ParseModelConfig(absl::StrCat(R"({"model_type":"llama","vocab_size":32000,"hidden_size":4096,
+        "intermediate_size":11008,"num_hidden_layers":32,"num_attention_heads":32,)",
+                                                scaling, "}"));
+    ASSERT_TRUE(scaled.ok()) << scaling << ": " << scaled.status();
+    EXPECT_EQ(scaled->rope_theta, absl::StrContains(scaling, "500000") ? 500000.0 : 10000.0) << scaling;
+  }
   auto bert = ParseModelConfig(R"({"model_type":"bert","vocab_size":30522,"hidden_size":768,
       "num_hidden_layers":12,"num_attention_heads":12,"intermediate_size":3072,"type_vocab_size":2,
       "position_embedding_type":"absolute","tie_word_embeddings":true})");
@@ -307,6 +320,13 @@ TEST(ModelConfig, ErrorsNameTheField) {
                "num_attention_heads":4,"rope_scaling":{"rope_type":"llama3","factor":8.0}})",
             "rope_scaling {\"factor\":8.0,\"rope_type\":\"llama3\"} is not supported: rotary embeddings are computed "
             "unscaled"},
+           {R"({"model_type":"llama","vocab_size":10,"hidden_size":16,"intermediate_size":32,"num_hidden_layers":2,
+               "num_attention_heads":4,"rope_scaling":{"type":"linear","factor":2.0}})",
+            "rope_scaling {\"factor\":2.0,\"type\":\"linear\"} is not supported"},
+           // transformers 5's form
+           {R"({"model_type":"llama","vocab_size":10,"hidden_size":16,"intermediate_size":32,"num_hidden_layers":2,
+               "num_attention_heads":4,"rope_parameters":{"rope_type":"yarn","factor":4.0,"rope_theta":1e6}})",
+            "rope_parameters {\"factor\":4.0,\"rope_theta\":1000000.0,\"rope_type\":\"yarn\"} is not supported"},
            {R"({"model_type":"llama","vocab_size":10,"hidden_size":16,"intermediate_size":32,"num_hidden_layers":2,
                "num_attention_heads":4,"attention_bias":true})",
             "attention_bias true is not supported"},
