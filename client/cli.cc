@@ -354,12 +354,18 @@ int ExitForJob(const v1::Job& job) {
   return 1;
 }
 
-void PrintRunEnd(const std::string& final_dir, const std::string& save_dir, int64_t steps, int64_t stop_after) {
+void PrintRunEnd(const std::string& final_dir, const std::string& checkpoint, int64_t steps, int64_t stop_after) {
   if (stop_after > 0 && stop_after < steps) {
+    if (checkpoint.empty()) {  // it resumed at or past its stop: trained nothing
+      std::printf(
+          "stopped at step %lld of %lld (--stop-after), where the run it resumed had stopped: nothing "
+          "trained\n",
+          static_cast<long long>(stop_after), static_cast<long long>(steps));
+      return;
+    }
     std::printf(
-        "stopped after step %lld of %lld (--stop-after), its checkpoint saved in %s; --resume %s trains "
-        "the rest%s%s\n",
-        static_cast<long long>(stop_after), static_cast<long long>(steps), save_dir.c_str(), save_dir.c_str(),
+        "stopped after step %lld of %lld (--stop-after); its checkpoint is %s: --resume %s trains the rest%s%s\n",
+        static_cast<long long>(stop_after), static_cast<long long>(steps), checkpoint.c_str(), checkpoint.c_str(),
         final_dir.empty() ? "" : " and writes the model to ", final_dir.c_str());
   } else if (!final_dir.empty()) {
     std::printf("wrote the trained model to %s\n", final_dir.c_str());

@@ -146,9 +146,10 @@ int ExitForJob(const v1::Job& job);
 // "coloctl: resuming from DIR" on stderr where the step says it resumed.
 void PrintStep(const v1::StepProgress& step, int64_t steps, bool json);
 // After a train run that succeeded: for a time-boxed run (stop_after <
-// steps), where its stop's checkpoint is and how to go on; else, with a
-// --final DIR, that the model was written there.
-void PrintRunEnd(const std::string& final_dir, const std::string& save_dir, int64_t steps, int64_t stop_after);
+// steps), the checkpoint it saved at its stop (`checkpoint`, the newest it
+// reported; empty: none, it resumed at or past its stop) and how to go on;
+// else, with a --final DIR, that the model was written there.
+void PrintRunEnd(const std::string& final_dir, const std::string& checkpoint, int64_t steps, int64_t stop_after);
 // A forward pass's result as `forward` prints it (`images`: an image
 // classifier's, whose loss needs labels; `logits_path`: where the logits were
 // written, if anywhere). Returns the exit code.

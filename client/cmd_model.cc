@@ -156,7 +156,9 @@ int TrainOnCluster(v1::JobSpec spec, bool json, const std::string& address) {
   if (!ended.ok()) return Fail(ended.status());
   const v1::TrainConfig& t = spec.train();
   if (ended->state() == v1::JOB_STATE_SUCCEEDED && !json) {
-    PrintRunEnd(t.final_dir(), t.checkpoint_dir(), t.steps(), t.stop_after());
+    // (The job's newest checkpoint: its stop's where it trained to it.)
+    PrintRunEnd(t.final_dir(), ended->step() == t.stop_after() ? ended->last_checkpoint() : "", t.steps(),
+                t.stop_after());
   }
   return ExitForJob(*ended);
 }

@@ -134,10 +134,13 @@ int RunTrainOnGpus(const std::vector<std::string>&) {
   options->comm_timeout = *CommTimeoutFromFlags();
   const train::TrainOptions& o = *options;
   const bool json = JsonOutput();
-  const absl::Status s = train::Train(
-      o, [&](const train::StepStats& st) { PrintStep(train::StepProgressOf(st), o.steps, json); });
+  std::string checkpoint;  // the newest one the run saved
+  const absl::Status s = train::Train(o, [&](const train::StepStats& st) {
+    if (!st.checkpoint.empty()) checkpoint = st.checkpoint;
+    PrintStep(train::StepProgressOf(st), o.steps, json);
+  });
   if (!s.ok()) return Fail(s);
-  if (!json) PrintRunEnd(o.final_dir, o.save_dir, o.steps, o.stop_after);
+  if (!json) PrintRunEnd(o.final_dir, checkpoint, o.steps, o.stop_after);
   return 0;
 }
 

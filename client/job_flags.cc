@@ -347,8 +347,9 @@ absl::StatusOr<v1::JobSpec> TrainSpecFromFlags(bool require_data) {
         "--keep-best keeps the checkpoint of the lowest held-out loss: give --eval-split or --eval-data and an "
         "--eval-every that divides --save-every");
   }
-  if (!t.checkpoint_dir().empty() && t.checkpoint_every() < 1) {
-    return absl::InvalidArgumentError("--save needs --save-every K (K >= 1)");
+  // (--stop-after N before the last step saves step N: --save alone then.)
+  if (!t.checkpoint_dir().empty() && t.checkpoint_every() < 1 && !(t.stop_after() > 0 && t.stop_after() < t.steps())) {
+    return absl::InvalidArgumentError("--save needs --save-every K (K >= 1), or --stop-after N before the last step");
   }
   return spec;
 }

@@ -4,6 +4,7 @@
 // and 3D); the other families at their layouts, LLaMA in 3D.
 #include <signal.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -186,6 +187,19 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
   const auto u = Coloctl(unsaved);
   EXPECT_EQ(u.code, 2) << u.err;
   EXPECT_NE(u.err.find("required with stop_after 3"), std::string::npos) << u.err;
+  // --save alone (no --save-every): the stop's checkpoint is its one.
+  // In text, coloctl says where the stop's checkpoint is.
+  unsaved.insert(unsaved.end(), {"--save", TempPath("ck_stop_only")});
+  const auto json_flag = std::find(unsaved.begin(), unsaved.end(), "--output");
+  ASSERT_NE(json_flag, unsaved.end());
+  unsaved.erase(json_flag, json_flag + 2);
+  const auto only = Coloctl(unsaved);
+  ASSERT_EQ(only.code, 0) << only.err;
+  EXPECT_TRUE(std::filesystem::exists(TempPath("ck_stop_only") + "/step-000003/train_state.json"));
+  EXPECT_NE(only.out.find("stopped after step 3 of 5 (--stop-after); its checkpoint is " + TempPath("ck_stop_only") +
+                          "/step-000003: --resume"),
+            std::string::npos)
+      << only.out;
   // Resumed at its last step (--steps 2, the step-2 checkpoint): nothing to
   // train; it says where it resumed all the same, and succeeds.
   std::vector<std::string> done = resume;
