@@ -444,10 +444,6 @@ void Scheduler::Assign(const std::string& job_id) {
   // theirs to answer for: this one was released, its ranks ended.)
   if (it == placed_.end() || it->second.generation != generation) return;
   Placed& p = it->second;
-  const absl::Time now = clock_->Now();
-  for (size_t i = 0; i < answers.size(); ++i) {
-    if (answers[i].ok()) p.assigned_at[p.mesh.ranks(static_cast<int>(i)).rank()] = now;
-  }
   std::vector<std::string> refused;
   // A worker that says it cannot take this job (INVALID_ARGUMENT,
   // UNIMPLEMENTED) refuses it for the job's own reasons; one that does not
@@ -875,37 +871,48 @@ void Scheduler::NoticeLostReportsLocked(const std::vector<v1::Worker>& workers) 
   for (auto& [id, p] : placed_) {
     // (A stopping placement's ranks that never end are given up on after
     // stop_grace: GiveUpOnStuckRanksLocked.)
-    for (const auto& [rank, assigned] : p.assigned_at) {
-      if (p.stopping()) break;
-      if (p.ended.count(rank) || rank < 0 || rank >= p.mesh.ranks_size()) continue;
+    for (int rank = 0; rank < p.mesh.ranks_size() && !p.stopping(); ++rank) {
+      if (p.ended.count(rank)) continue;
       const auto w = by_id.find(p.mesh.ranks(rank).worker_id());
       if (w == by_id.end()) continue;  // lost: Tick ends it
       const v1::WorkerStatus& st = w->second->status();
-      const bool runs_it = st.state() == v1::WORKER_STATE_BUSY && st.job_id() == p.job_id &&
-                           st.generation() == p.generation && st.rank() == rank;
-      // (A heartbeat from before the assignment was taken says nothing of it.)
-      if (runs_it || FromProtoTimestamp(w->second->last_heartbeat_time()) <= assigned) {
-        p.not_running_since.erase(rank);
+      // The worker says it ran this rank to its end (after it tried to
+      // report it): a report still in flight gets lost_report_wait to come.
+      if (st.ended_job_id() != p.job_id || st.ended_generation() != p.generation || st.ended_rank() != rank) {
+        p.lost_report_since.erase(rank);
         continue;
       }
-      const absl::Time since = p.not_running_since.try_emplace(rank, now).first->second;
+      const absl::Time since = p.lost_report_since.try_emplace(rank, now).first->second;
       if (now - since < options_.lost_report_wait) continue;
       p.ended.insert(rank);
-      const std::string lost = absl::StrCat(
-          RankName(p.mesh, rank),
-          " ended without a report that reached the coordinator: its worker has run it no "
-          "more (",
-          st.state() == v1::WORKER_STATE_BUSY
-              ? absl::StrCat("busy with ", st.job_id(), " generation ", st.generation(), " rank ", st.rank())
-              : std::string("idle"),
-          ") for ", absl::FormatDuration(now - since));
-      COLOD_LOG(WARNING) << "job " << p.job_id << ": " << lost;
+      // (A code no status has, from a worker's heartbeat, is UNKNOWN.)
+      const absl::StatusCode code = st.ended_code() >= 0 && st.ended_code() <= 16
+                                        ? static_cast<absl::StatusCode>(st.ended_code())
+                                        : absl::StatusCode::kUnknown;
+      const std::string said = absl::StrCat(RankName(p.mesh, rank), " ended ",
+                                            code == absl::StatusCode::kOk ? "OK" : absl::StatusCodeToString(code),
+                                            " (its worker says; its report never reached the coordinator)");
+      COLOD_LOG(WARNING) << "job " << p.job_id << ": " << said;
+      if (p.state == PlacementState::kProbing) continue;  // the probed failure decides
       if (p.state == PlacementState::kRunning && !p.drain_reason.empty()) {
-        if (p.AllEnded()) EndDrainLocked(p, absl::StrCat("; ", lost));  // as for a lost worker (Tick)
+        if (p.AllEnded()) EndDrainLocked(p, absl::StrCat("; ", said));  // as for a lost worker (Tick)
         continue;
       }
-      if (p.state == PlacementState::kProbing) continue;  // the probed failure decides
-      FailLocked(p, lost, /*retryable=*/true, rank);
+      // An OK end of a TRAIN or TENSOR rank is that rank's success (a
+      // FORWARD rank's result went with its report: run again).
+      if (code == absl::StatusCode::kOk && p.spec.kind() != v1::JOB_KIND_FORWARD) {
+        if (p.AllEnded()) {
+          EndLocked(p, v1::JOB_STATE_SUCCEEDED, absl::StrCat("all ", p.mesh.world_size(), " ranks finished"), -1);
+        }
+        continue;
+      }
+      std::string reason = said;
+      if (code != absl::StatusCode::kOk && !st.last_error().empty()) {
+        absl::StrAppend(&reason, ": ", Utf8Prefix(st.last_error(), kMaxReportedMessageBytes));
+      } else if (code == absl::StatusCode::kOk) {
+        absl::StrAppend(&reason, ": the forward pass's result went with it");
+      }
+      FailLocked(p, reason, code == absl::StatusCode::kOk || IsRetryableRankError(code), rank);
     }
   }
 }

@@ -116,14 +116,13 @@ class Scheduler {
     // destroyed waits at most 30 s, and not at all once the job's abort
     // reached its worker). Zero: never.
     absl::Duration stop_grace = absl::Minutes(2);
-    // A rank whose end never came though its worker, heartbeating, runs it
-    // no more (idle, or on another rank, in every heartbeat since one after
-    // the assignment was taken, for this long): its report was lost (a
-    // network blip longer than the worker's tries, every server thread
-    // busy), and the rank counts as ended, a retryable failure of the job
-    // (the job would otherwise run for ever, and its other workers with it).
-    // A worker shows its rank busy until it has tried to report its end.
-    // Zero: never.
+    // A rank whose end never came though its worker's heartbeats say it ran
+    // the rank to its end (WorkerStatus.ended_*, set after the worker tried
+    // to report it) for this long: its report was lost (a network blip
+    // longer than the worker's tries, every server thread busy), and the
+    // rank counts as ended as the worker says (OK: its success; else a
+    // failure with its code), where the job would otherwise run for ever,
+    // and its other workers with it. Zero: never.
     absl::Duration lost_report_wait = absl::Seconds(5);
   };
 
@@ -232,11 +231,10 @@ class Scheduler {
     std::string scope;            // rendezvous scope of this generation
     std::set<int> training;       // ranks that reported "training" (TRAIN) or "serving" (TENSOR)
     std::set<int> ended;          // ranks that reported their end (or were lost)
-    // When each rank's worker took its assignment (AssignJob answered OK),
-    // and since when its heartbeats say it runs the rank no more, though
-    // the rank has not ended (NoticeLostReportsLocked).
-    std::map<int, absl::Time> assigned_at;
-    std::map<int, absl::Time> not_running_since;
+    // Since when each rank's worker has said it ran the rank to its end
+    // (WorkerStatus.ended_*), though its report has not come
+    // (NoticeLostReportsLocked).
+    std::map<int, absl::Time> lost_report_since;
     // (rank, phase) of the statuses the job's history recorded: each once,
     // so that a rank's reports add at most one event a phase.
     std::set<std::pair<int, int>> phases;
@@ -312,9 +310,9 @@ class Scheduler {
   void ReleaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Counts as ended the ranks of stopping placements that did not end
   // within Options::stop_grace of their abort.
-  // Counts as ended (a retryable failure) each running placement's rank
+  // Counts as ended, as its worker says, each running placement's rank
   // whose worker's heartbeats have said for Options::lost_report_wait that
-  // it runs the rank no more, its end never reported.
+  // it ran the rank to its end, the end's report never come.
   void NoticeLostReportsLocked(const std::vector<v1::Worker>& workers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void GiveUpOnStuckRanksLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records, as job events, the hangs of running placements not reported

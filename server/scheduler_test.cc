@@ -1388,57 +1388,77 @@ TEST_F(SchedulerTest, AFailureThatFollowedAPeersWaitsForTheCauseWhichIsTheJobsRe
 
 // A rank whose end never reached the coordinator (its worker's tries ran
 // out in a network blip) would keep the job RUNNING for ever: once its
-// worker's heartbeats have said for Options::lost_report_wait that it runs
-// the rank no more, the rank counts as ended, a retryable failure that
-// restarts the job. Busy with the rank, or beating from before the
-// assignment, it is not.
-TEST_F(SchedulerTest, ARankWhoseEndNeverCameEndsOnceItsWorkerRunsItNoMore) {
+// worker's heartbeats have said for Options::lost_report_wait that it ran
+// the rank to its end (WorkerStatus.ended_*), the rank ends as they say:
+// OK, the job's success; an error, the job's failure with its code. A
+// worker busy with the rank, idle without saying so (an older worker, a
+// heartbeat built before the assignment), or saying so of another
+// generation, ends nothing.
+TEST_F(SchedulerTest, ARankWhoseEndNeverCameEndsAsItsWorkerSays) {
   Scheduler::Options o;
   o.lost_report_wait = absl::Seconds(3);
   Start(2, o);
   v1::JobSpec spec = TrainSpec(2, 1);
   spec.mutable_restart()->set_max_restarts(2);
+  // The index of rank 1's worker.
+  const auto rank1 = [&](const std::string& id) {
+    return static_cast<int>(std::find(ids_.begin(), ids_.end(), Job(id).mesh().ranks(1).worker_id()) - ids_.begin());
+  };
+  // A second passes; rank 1's worker beats `how` (busy, idle, ended with `code`).
+  const auto beat = [&](const std::string& id, int64_t generation, const std::string& how,
+                        absl::StatusCode code = absl::StatusCode::kOk) {
+    const int w = rank1(id);
+    v1::WorkerStatus st;
+    st.set_state(how == "busy" ? v1::WORKER_STATE_BUSY : v1::WORKER_STATE_IDLE);
+    if (how == "busy") {
+      st.set_job_id(id);
+      st.set_generation(generation);
+      st.set_rank(1);
+    } else if (how == "ended") {
+      st.set_ended_job_id(id);
+      st.set_ended_generation(generation);
+      st.set_ended_rank(1);
+      st.set_ended_code(static_cast<int>(code));
+      if (code != absl::StatusCode::kOk) st.set_last_error(id + " rank 1: FAILED_PRECONDITION: corpus.bin: cut short");
+    }
+    clock_.Advance(absl::Seconds(1));
+    Beat(1 - w);
+    Beat(w, st);
+    scheduler_->TickForTest();
+  };
   const std::string id = jobs_->Submit(spec, "")->job_id();
   scheduler_->TickForTest();
   Training(id);
-  const v1::Job placed = Job(id);
-  const int worker =
-      static_cast<int>(std::find(ids_.begin(), ids_.end(), placed.mesh().ranks(1).worker_id()) - ids_.begin());
-  ASSERT_LT(worker, 2);
-  v1::WorkerStatus busy;
-  busy.set_state(v1::WORKER_STATE_BUSY);
-  busy.set_job_id(id);
-  busy.set_generation(placed.generation());
-  busy.set_rank(1);
+  const int64_t g = Job(id).generation();
   Ended(id, 0, absl::StatusCode::kOk);
-  for (int i = 0; i < 6; ++i) {  // running it: however long
-    clock_.Advance(absl::Seconds(1));
-    Beat(1 - worker);
-    Beat(worker, busy);
-    scheduler_->TickForTest();
-  }
+  for (int i = 0; i < 6; ++i) beat(id, g, "busy");
+  for (int i = 0; i < 6; ++i) beat(id, g, "idle");       // says nothing of its end
+  for (int i = 0; i < 6; ++i) beat(id, g - 1, "ended");  // another generation's
   EXPECT_EQ(Job(id).state(), v1::JOB_STATE_RUNNING);
-  // Its end's report is lost; the worker beats idle from now on.
-  Pass(absl::Seconds(2));
-  scheduler_->TickForTest();  // seen idle
-  Pass(absl::Seconds(2));
+  beat(id, g, "ended");  // seen
+  beat(id, g, "ended");
+  beat(id, g, "ended");
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_RUNNING);  // 2 s of the 3: a report may still come
+  beat(id, g, "ended");
+  v1::Job j = Job(id);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_SUCCEEDED) << j.reason();
+  EXPECT_EQ(j.reason(), "all 2 ranks finished");
+
+  // An error: the job's failure, with the worker's last error; this one a
+  // job's own (FAILED_PRECONDITION), which no restart mends.
+  const std::string next = jobs_->Submit(spec, "")->job_id();
   scheduler_->TickForTest();
-  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_RUNNING);  // 2 s of the 3
-  Pass(absl::Seconds(1));
-  scheduler_->TickForTest();
-  // Restarted, and placed again at once: rank 1 was counted as ended.
-  const v1::Job j = Job(id);
-  EXPECT_EQ(j.restarts(), 1) << j.reason();
-  EXPECT_EQ(j.generation(), placed.generation() + 1);
-  bool said = false;
-  for (const v1::JobEvent& e : Events(id)) {
-    said |= e.has_state_change() && e.state_change().state() == v1::JOB_STATE_RESTARTING &&
-            absl::StrContains(e.state_change().reason(),
-                              "rank 1 (worker " + ids_[worker] + " at 10.0.0." + std::to_string(worker + 1) +
-                                  ":7071) ended without a report that reached the coordinator: its worker has run "
-                                  "it no more (idle) for 3s");
-  }
-  EXPECT_TRUE(said);
+  Training(next);
+  const int64_t g2 = Job(next).generation();
+  for (int i = 0; i < 5; ++i) beat(next, g2, "ended", absl::StatusCode::kFailedPrecondition);
+  j = Job(next);
+  EXPECT_EQ(j.state(), v1::JOB_STATE_FAILED) << j.reason();
+  EXPECT_TRUE(absl::StrContains(j.reason(), "rank 1 (worker " + ids_[rank1(next)] + " at ")) << j.reason();
+  EXPECT_TRUE(absl::StrContains(j.reason(),
+                                "ended FAILED_PRECONDITION (its worker says; its report never reached "
+                                "the coordinator): " +
+                                    next + " rank 1: FAILED_PRECONDITION: corpus.bin"))
+      << j.reason();
 }
 
 // A job's new generation is on disk before a rank gets it. Where the

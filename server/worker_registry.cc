@@ -29,6 +29,7 @@ v1::WorkerStatus Bounded(const v1::WorkerStatus& status) {
     out.set_last_error(Utf8Prefix(out.last_error(), kMaxReportedMessageBytes));
   }
   if (out.job_id().size() > kMaxWorkerText) out.set_job_id(Utf8Prefix(out.job_id(), kMaxWorkerText));
+  if (out.ended_job_id().size() > kMaxWorkerText) out.set_ended_job_id(Utf8Prefix(out.ended_job_id(), kMaxWorkerText));
   if (out.collectives_size() > kMaxCollectiveGroups) {
     out.mutable_collectives()->DeleteSubrange(kMaxCollectiveGroups, out.collectives_size() - kMaxCollectiveGroups);
   }

@@ -332,6 +332,12 @@ v1::WorkerStatus JobRunner::Status() const {
   absl::MutexLock lock(&mu_);
   v1::WorkerStatus s;
   s.set_last_error(last_error_);
+  if (last_ended_.has_value()) {
+    s.set_ended_job_id(std::get<0>(*last_ended_));
+    s.set_ended_generation(std::get<2>(*last_ended_));
+    s.set_ended_rank(std::get<3>(*last_ended_));
+    s.set_ended_code(static_cast<int32_t>(last_ended_code_));
+  }
   if (!active_) {
     s.set_state(v1::WORKER_STATE_IDLE);
     return s;
@@ -447,6 +453,7 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
     }
     if (!device.ok()) device_lost_ = device;
     last_ended_ = std::make_tuple(req.job_id(), req.job_uid(), req.generation(), req.rank());
+    last_ended_code_ = s.code();
     active_.reset();
   }
   if (!device.ok()) {

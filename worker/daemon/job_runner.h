@@ -190,6 +190,7 @@ class JobRunner {
   // The last rank that ended here (job, uid, generation, rank): never
   // started again by a repeat of its assignment.
   std::optional<std::tuple<std::string, std::string, int64_t, int>> last_ended_ ABSL_GUARDED_BY(mu_);
+  absl::StatusCode last_ended_code_ ABSL_GUARDED_BY(mu_) = absl::StatusCode::kOk;  // its end's
 };
 
 }  // namespace colod

@@ -382,6 +382,12 @@ TEST(WorkerDaemon, AForwardWhoseLogitsDoNotFitIsRefusedBeforeItRuns) {
                                                     "] take")))
       << error;
   EXPECT_TRUE(absl::StrContains(error, "split the input into smaller batches")) << error;
+  // The status says which rank ended and how, after its report was tried
+  // (the coordinator's word where the report is lost).
+  v1::WorkerStatus ended = runner.Status();
+  EXPECT_EQ(ended.ended_job_id(), "job-525252");
+  EXPECT_EQ(ended.ended_rank(), 0);
+  EXPECT_EQ(ended.ended_code(), static_cast<int>(absl::StatusCode::kResourceExhausted));
   // With room for both copies and the model, it runs.
   ro.memory_bytes = 3 * logits + (int64_t{64} << 20);
   ro.work_dir = testing::TempPath("runner-forward-memory-2");
@@ -389,6 +395,9 @@ TEST(WorkerDaemon, AForwardWhoseLogitsDoNotFitIsRefusedBeforeItRuns) {
   ASSERT_TRUE(roomy.Assign(RankZero("job-525253", spec)).ok());
   ASSERT_TRUE(roomy.WaitIdle(absl::Seconds(60)));
   EXPECT_EQ(roomy.Status().last_error(), "");
+  ended = roomy.Status();
+  EXPECT_EQ(ended.ended_job_id(), "job-525253");
+  EXPECT_EQ(ended.ended_code(), 0);
 }
 
 // Without a logits_path nothing is gathered: a rank holds its replica's

@@ -796,7 +796,9 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
                                       "meanwhile, or a worker's view of the directory lags; resume again, or name "
                                       "one, DIR/step-N"));
         !same.ok()) {
-      return same;
+      // ABORTED, which a restart retries (the ranks choose again, and a
+      // listing that lagged has caught up), not the job's own error.
+      return absl::IsFailedPrecondition(same) ? absl::AbortedError(same.message()) : same;
     }
   }
   if (!run.resume.empty()) {
