@@ -368,6 +368,8 @@ void Scheduler::ScheduleQueued() {
     // (an older worker would not join the agreement's collective).
     bool drain = job.spec().kind() == v1::JOB_KIND_TRAIN && !job.spec().train().checkpoint_dir().empty() &&
                  !job.spec().train().eval_only();
+    // Likewise the agreement on a resume's checkpoint.
+    bool agree_on_resume = true;
     for (int r = 0; r < placed.ranks_size(); ++r) {
       const v1::RankAssignment& a = placed.ranks(r);
       keys->push_back(a.rank() == r ? workers_->KeyToCall(a.worker_id()) : NewWorkerKey());
@@ -375,6 +377,7 @@ void Scheduler::ScheduleQueued() {
       const bool keyless_downloads = info != live_info.end() && !info->second->downloads_carry_key();
       download_keys->push_back(keyless_downloads ? "" : keys->back());
       drain &= info != live_info.end() && info->second->drains();
+      agree_on_resume &= info != live_info.end() && info->second->agrees_on_resume();
     }
     {
       absl::MutexLock lock(&mu_);
@@ -402,6 +405,7 @@ void Scheduler::ScheduleQueued() {
       p.resume_own = ResumesFromCheckpoint(*scheduled);
       if (p.resume_own) p.spec.mutable_train()->set_resume_from(p.spec.train().checkpoint_dir());
       p.drain = drain;
+      p.agree_on_resume = agree_on_resume;
       p.mesh = placed;
       p.keys = std::move(keys);
       p.download_keys = std::move(download_keys);
@@ -427,6 +431,7 @@ void Scheduler::Assign(const std::string& job_id) {
     req.set_job_uid(it->second.uid);
     req.set_resume_own_checkpoints(it->second.resume_own);
     req.set_drain(it->second.drain);
+    req.set_agree_on_resume(it->second.agree_on_resume);
     *req.mutable_spec() = it->second.spec;
     *req.mutable_mesh() = it->second.mesh;
     req.set_rendezvous_scope(it->second.scope);

@@ -211,6 +211,9 @@ class Scheduler {
     // A TRAIN job with a checkpoint_dir on workers that all drain
     // (WorkerInfo.drains): AssignJobRequest.drain.
     bool drain = false;
+    // Whether its ranks agree on a resume's checkpoint
+    // (AssignJobRequest.agree_on_resume): every worker of it does.
+    bool agree_on_resume = false;
     // The step rank 0 resumed from (from its TRAINING status, 0 where it
     // resumed from none; nullopt until that status came), and the newest
     // step this placement reported with a checkpoint: a drain that saved no

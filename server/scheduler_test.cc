@@ -105,6 +105,7 @@ class SchedulerTest : public ::testing::Test {
       if (i < static_cast<int>(memory.size())) info.set_memory_bytes(memory[i]);
       info.set_downloads_carry_key(keyless_downloads_.count(i) == 0);
       info.set_drains(no_drain_.count(i) == 0);
+      info.set_agrees_on_resume(no_drain_.count(i) == 0);
       auto r = registry_.Register(info, v1::WorkerStatus(), i < static_cast<int>(keys_.size()) ? keys_[i] : "");
       ASSERT_TRUE(r.ok()) << r.status();
       ids_.push_back(r->worker_id);
@@ -301,7 +302,7 @@ class SchedulerTest : public ::testing::Test {
   std::vector<std::string> ids_;
   std::vector<std::string> keys_;  // Start registers worker i with keys_[i], where given
   std::set<int> keyless_downloads_;  // workers Start registers as older ones, whose downloads carry no key
-  std::set<int> no_drain_;           // workers Start registers as older ones, which do not drain
+  std::set<int> no_drain_;           // workers Start registers as older ones, which neither drain nor agree on a resume
 };
 
 TEST_F(SchedulerTest, PlacesRunsAndSucceeds) {
@@ -531,7 +532,10 @@ TEST_F(SchedulerTest, ADrainedJobIsPlacedAgainFromItsCheckpointWithoutTheLeaving
   ASSERT_FALSE(id.empty());
   const v1::JobSpec spec = Job(id).spec();
   ASSERT_EQ(fake_->assigned.size(), 2u);
-  for (const auto& c : fake_->assigned) EXPECT_TRUE(c.request.drain());
+  for (const auto& c : fake_->assigned) {
+    EXPECT_TRUE(c.request.drain());
+    EXPECT_TRUE(c.request.agree_on_resume());
+  }
   const std::string leaving = Job(id).mesh().ranks(1).worker_address();
   ASSERT_NO_FATAL_FAILURE(Checkpointed(id, 4));
   v1::ReportProgressRequest drained;
@@ -647,7 +651,8 @@ TEST_F(SchedulerTest, ADrainWhoseLeavingRanksEndWasLostStillPlacesTheJobAgain) {
 }
 
 // A job with a rank on an older worker (which would not join the drain's
-// collective) or with no checkpoint_dir is not drained, and a drained end
+// collective, nor a resume's agreement) or with no checkpoint_dir is not
+// drained, and a drained end
 // claimed there counts as the failure it is.
 TEST_F(SchedulerTest, AJobOnAWorkerThatDoesNotDrainIsNotDrained) {
   no_drain_ = {1};
@@ -657,7 +662,10 @@ TEST_F(SchedulerTest, AJobOnAWorkerThatDoesNotDrainIsNotDrained) {
   const std::string id = job->job_id();
   scheduler_->TickForTest();
   ASSERT_EQ(fake_->assigned.size(), 2u);
-  for (const auto& c : fake_->assigned) EXPECT_FALSE(c.request.drain());
+  for (const auto& c : fake_->assigned) {
+    EXPECT_FALSE(c.request.drain());
+    EXPECT_FALSE(c.request.agree_on_resume());  // nor does it join the resume's agreement
+  }
   Training(id);
   v1::ReportProgressRequest drained;
   DrainedEnd(&drained, /*leaving=*/true);

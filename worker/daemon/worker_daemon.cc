@@ -228,6 +228,7 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
   w->info_.set_host(LocalHostName());
   w->info_.set_version(kVersion);
   w->info_.set_downloads_carry_key(true);  // ModelCache::Options::worker_key
+  w->info_.set_agrees_on_resume(true);     // AssignJobRequest.agree_on_resume
   w->info_.set_drains(true);               // JobRunner::Drain, RankHooks::drain
   for (const auto& [k, v] : options.labels) (*w->info_.mutable_labels())[k] = v;
 

@@ -788,7 +788,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   // of another job into the directory, or a file system's listing that
   // lagged on one host, between two ranks' choices would have them train
   // from different steps, with different weights, without a word.
-  if (!o.resume_dir.empty()) {
+  if (!o.resume_dir.empty() && o.agree_on_resume) {
     if (const absl::Status same =
             SameOverMesh(pg, run.resumed_step, shard.device,
                          absl::StrCat("the ranks chose different checkpoints in ", o.resume_dir,

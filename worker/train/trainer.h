@@ -62,6 +62,10 @@ struct TrainOptions {
   // (a job restarted on workers of the other device kind, a CPU run resumed
   // on a GPU).
   bool precision_auto = false;
+  // A resume first agrees over the mesh on the checkpoint's step (every
+  // rank chose it on its own). Off where a rank's worker is older and would
+  // not join that collective (AssignJobRequest.agree_on_resume).
+  bool agree_on_resume = true;
   int64_t bucket_bytes = 25 << 20;
   int zero_stage = 0;         // ZeRO over dp: 0, 1 (optimizer state) or 2 (and gradients); data_parallel.h
   // Held-out evaluation (job.proto's TrainConfig.eval_*): eval_data_path

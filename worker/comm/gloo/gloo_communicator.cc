@@ -354,6 +354,7 @@ class GlooCommunicator::GlooWork final : public Work {
                      " (a peer never entered it, or is far behind); the communicator was aborted"));
     if (handle_ != nullptr) {
       absl::MutexLock lock(&handle_->mu);
+      if (IsCompleted()) return Wait(absl::ZeroDuration());  // it ended meanwhile: its own outcome
       if (handle_->comm != nullptr) handle_->comm->Abort(late);
     }
     absl::MutexLock lock(&mu_);
