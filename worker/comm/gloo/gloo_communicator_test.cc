@@ -60,6 +60,29 @@ void RunRanks(int n, const std::function<void(int, Communicator&)>& body,
   for (auto& t : threads) t.join();
 }
 
+// `n` ranks connected over a store of their own (each made on a thread of
+// its own, as ranks are), `timeout` each; empty where one could not connect.
+std::vector<std::unique_ptr<GlooCommunicator>> ConnectedRanks(int n, absl::Duration timeout) {
+  auto shared = std::make_shared<RendezvousStore>();
+  std::vector<std::unique_ptr<GlooCommunicator>> comms(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      InMemoryStore store(shared, "test");
+      GlooCommunicator::Options o;
+      o.timeout = timeout;
+      auto c = GlooCommunicator::Create(store, r, n, o);
+      ASSERT_TRUE(c.ok()) << c.status();
+      comms[r] = std::move(*c);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& c : comms) {
+    if (c == nullptr) return {};
+  }
+  return comms;
+}
+
 // Element i of rank r: small integers, exact in every dtype, never all zero.
 double Value(int rank, int64_t i) { return static_cast<double>((rank + 1) * (i % 7) - 3 + rank); }
 
@@ -402,22 +425,8 @@ class AbortInFlight : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(AbortInFlight, AbortEndsACollectiveInFlight) {
   const std::string op = GetParam();
-  auto shared = std::make_shared<RendezvousStore>();
-  const absl::Duration timeout = absl::Seconds(60);
-  std::vector<std::unique_ptr<GlooCommunicator>> comms(3);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 3; ++r) {
-    threads.emplace_back([&, r] {
-      InMemoryStore store(shared, "test");
-      GlooCommunicator::Options o;
-      o.timeout = timeout;
-      auto c = GlooCommunicator::Create(store, r, 3, o);
-      ASSERT_TRUE(c.ok()) << c.status();
-      comms[r] = std::move(*c);
-    });
-  }
-  for (auto& t : threads) t.join();
-  ASSERT_TRUE(comms[0] && comms[1] && comms[2]);
+  std::vector<std::unique_ptr<GlooCommunicator>> comms = ConnectedRanks(3, absl::Seconds(60));
+  ASSERT_EQ(comms.size(), 3u);
   // Big enough to need every rank's data in every segment.
   constexpr int64_t kCount = 1 << 16;
   std::vector<std::vector<float>> x(2, std::vector<float>(3 * kCount, 1.0f)), y(2, std::vector<float>(3 * kCount));
@@ -459,21 +468,8 @@ INSTANTIATE_TEST_SUITE_P(Ops, AbortInFlight, ::testing::Values("all_reduce", "re
 // returns once the op has ended: its buffers, which the caller frees on the
 // error, are written no more. Every later op fails with the sticky error.
 TEST(Gloo, AWaitThatRunsOutEndsTheOpBeforeItReturns) {
-  auto shared = std::make_shared<RendezvousStore>();
-  std::vector<std::unique_ptr<GlooCommunicator>> comms(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      InMemoryStore store(shared, "test");
-      GlooCommunicator::Options o;
-      o.timeout = absl::Seconds(60);
-      auto c = GlooCommunicator::Create(store, r, 2, o);
-      ASSERT_TRUE(c.ok()) << c.status();
-      comms[r] = std::move(*c);
-    });
-  }
-  for (auto& t : threads) t.join();
-  ASSERT_TRUE(comms[0] && comms[1]);
+  std::vector<std::unique_ptr<GlooCommunicator>> comms = ConnectedRanks(2, absl::Seconds(60));
+  ASSERT_EQ(comms.size(), 2u);
   constexpr int64_t kCount = 1 << 16;
   auto buffer = std::make_unique<std::vector<float>>(kCount, 1.0f);
   std::shared_ptr<Work> lone = comms[0]->AllReduce(buffer->data(), kCount, DType::kF32, ReduceOp::kSum);
