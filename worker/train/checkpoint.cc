@@ -47,16 +47,47 @@ std::string CheckpointWriter::Tag() const {
   return absl::StrCat(job.empty() ? "" : job + ".", "gen-", generation);
 }
 
+namespace {
+
+bool ValidJobName(const std::string& job) {
+  return job.size() <= 128 && std::all_of(job.begin(), job.end(), [](char c) {
+           return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_';
+         });
+}
+
+}  // namespace
+
 absl::Status CheckpointWriter::Check() const {
   if (generation < 0) return absl::InvalidArgumentError(absl::StrCat("checkpoint generation ", generation, " < 0"));
-  if (job.size() > 128 || !std::all_of(job.begin(), job.end(), [](char c) {
-        return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_';
-      })) {
+  if (!ValidJobName(job)) {
     return absl::InvalidArgumentError(
         absl::StrCat("checkpoint job '", absl::CHexEscape(job.substr(0, 128)),
                      "': at most 128 letters, digits, '-' and '_' (it names a directory)"));
   }
+  if (lineage.size() > kMaxCheckpointLineage) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint lineage of ", lineage.size(), " writers: at most ", kMaxCheckpointLineage));
+  }
+  for (const std::string& w : lineage) {
+    if (!ValidJobName(w)) {
+      return absl::InvalidArgumentError(absl::StrCat("checkpoint lineage names job '",
+                                                     absl::CHexEscape(w.substr(0, 128)),
+                                                     "': at most 128 letters, digits, '-' and '_'"));
+    }
+  }
   return absl::OkStatus();
+}
+
+std::vector<std::string> ContinuedLineage(const std::vector<std::string>& lineage, const std::string& resumed,
+                                          const std::string& job) {
+  std::vector<std::string> out;
+  const auto add = [&](const std::string& w) {
+    if (w != job && std::find(out.begin(), out.end(), w) == out.end()) out.push_back(w);
+  };
+  for (const std::string& w : lineage) add(w);
+  add(resumed);
+  if (out.size() > kMaxCheckpointLineage) out.erase(out.begin(), out.end() - kMaxCheckpointLineage);
+  return out;
 }
 
 std::string StepTmpDir(const std::string& dir, int64_t step, const CheckpointWriter& writer) {
@@ -491,6 +522,7 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
               {"param_dtype", std::string(DTypeName(model.shard_config().param_dtype))}};
     if (eval_loss.has_value() && std::isfinite(*eval_loss)) j["eval_loss"] = *eval_loss;
     if (!writer.job.empty()) j["job"] = writer.job;
+    if (!writer.lineage.empty()) j["lineage"] = writer.lineage;
     if (writer.generation > 0) j["generation"] = writer.generation;
     if (!report.empty()) {
       if (Json r = ParseJson(report); r.is_object()) j["report"] = std::move(r);
@@ -613,8 +645,7 @@ void RestoreMovedAsideCheckpoints(const std::string& dir, const CheckpointWriter
 
 absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& dir, const Retention& keep,
                                                              const std::string& must_keep,
-                                                             const CheckpointWriter& writer,
-                                                             const std::vector<std::string>& also_own) {
+                                                             const CheckpointWriter& writer) {
   // A moved-aside checkpoint whose step has no other is the only copy of
   // it: put back, not removed below.
   RestoreMovedAsideCheckpoints(dir, writer);
@@ -629,7 +660,7 @@ absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& 
   ASSIGN_OR_RETURN(std::vector<CheckpointInfo> listed, ListCheckpoints(dir));
   std::vector<CheckpointInfo> all;  // the writer's own: the others' are not this run's to remove
   for (CheckpointInfo& c : listed) {
-    if (c.job == writer.job || std::find(also_own.begin(), also_own.end(), c.job) != also_own.end()) {
+    if (c.job == writer.job || std::find(writer.lineage.begin(), writer.lineage.end(), c.job) != writer.lineage.end()) {
       all.push_back(std::move(c));
     }
   }
@@ -719,6 +750,17 @@ absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint) {
   ASSIGN_OR_RETURN(r.step, CheckedStep(checkpoint, state));
   ASSIGN_OR_RETURN(r.seed, SeedField(state, where));
   r.job = WriterJob(state);
+  // (A lineage that does not read, or names what no writer can be, counts
+  // for none: the file is not the run's to trust past its own job.)
+  if (state.contains("lineage") && state["lineage"].is_array()) {
+    CheckpointWriter w;
+    for (const Json& name : state["lineage"]) {
+      if (!name.is_string()) break;
+      w.lineage.push_back(name.get<std::string>());
+      if (w.lineage.size() > kMaxCheckpointLineage) break;
+    }
+    if (w.Check().ok() && w.lineage.size() == state["lineage"].size()) r.lineage = std::move(w.lineage);
+  }
   if (state.contains("report") && state["report"].is_object()) r.report = JsonText(state["report"]);
   if (state.contains("param_dtype")) {  // (not in a checkpoint of before 2026-12)
     absl::StatusOr<DType> dtype = state["param_dtype"].is_string() ? ParseDType(state["param_dtype"].get<std::string>())

@@ -68,12 +68,31 @@ std::string StepDir(const std::string& dir, int64_t step);
 struct CheckpointWriter {
   std::string job;  // letters, digits, '-' and '_', at most 128 (it names a directory)
   int64_t generation = 0;
+  // The writers whose run this one continues (resumed from a directory of
+  // their checkpoints, --resume D), oldest first, at most
+  // kMaxCheckpointLineage (the newest): their checkpoints count as this
+  // run's for retention (PruneCheckpoints). A save records them with its
+  // own job in train_state.json ("lineage"), so that a chain of resumes
+  // (each run killed and resumed in the same directory) prunes what every
+  // earlier link wrote. "" stands for a run outside a coordinator of before
+  // 2026-12.
+  std::vector<std::string> lineage;
 
   // "JOB.gen-G", or "gen-G" without a job.
   std::string Tag() const;
-  // INVALID_ARGUMENT for a job name or a generation that cannot be.
+  // INVALID_ARGUMENT for a job name (own or of the lineage), a generation
+  // or a lineage's length that cannot be.
   absl::Status Check() const;
 };
+
+// The most writers a CheckpointWriter's lineage holds.
+inline constexpr size_t kMaxCheckpointLineage = 64;
+
+// The lineage of a run resumed from `resumed` (a checkpoint's writer job and
+// lineage) whose own job is `job`: `lineage`, then `resumed` where it is
+// not already there, less `job`, the newest kMaxCheckpointLineage.
+std::vector<std::string> ContinuedLineage(const std::vector<std::string>& lineage, const std::string& resumed,
+                                          const std::string& job);
 
 // The temporary directory `writer` writes StepDir(dir, step) through:
 // DIR/step-NNNNNN.[JOB.]gen-G.tmp.
@@ -152,7 +171,7 @@ void RestoreMovedAsideCheckpoints(const std::string& dir, const CheckpointWriter
 // crash interrupted; returns its checkpoints kept, oldest first. Other
 // writers' checkpoints (a run the directory held before, another job) are
 // neither counted nor removed nor returned, but those of the writers in
-// `also_own`, which count as its own: the run it resumed from, whose
+// its lineage, which count as its own: the runs it continues, whose
 // checkpoints in a directory a run continues in are the same run's
 // (--resume D --save D). Its newest is always kept (a
 // restart resumes from it), and nothing being written (.tmp) or unreadable
@@ -171,13 +190,13 @@ void RestoreMovedAsideCheckpoints(const std::string& dir, const CheckpointWriter
 // (RestoreMovedAsideCheckpoints), and removed where it has.
 absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& dir, const Retention& keep,
                                                              const std::string& must_keep = "",
-                                                             const CheckpointWriter& writer = {},
-                                                             const std::vector<std::string>& also_own = {});
+                                                             const CheckpointWriter& writer = {});
 
 struct Resumed {
   int64_t step = 0;  // steps done; training continues with step + 1
   uint64_t seed = 0;
   std::string job;     // its writer (CheckpointWriter::job; "" of a run outside a coordinator before 2026-12)
+  std::vector<std::string> lineage;  // its writer's (CheckpointWriter::lineage); none before 2026-12
   std::string report;  // SaveTrainingCheckpoint's report (a JSON object's text), or ""
   // The parameters' dtype it was trained with (F32, or BF16/F16 under mixed
   // precision); none in a checkpoint of before 2026-12.

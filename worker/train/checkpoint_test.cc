@@ -152,7 +152,7 @@ TEST(Retention, KeepsTheNewestAndTheBestAndTouchesNothingElse) {
   // counts that writer's as its own: the newest (8) and the best (1) of
   // both, and the one just written.
   auto lineage = PruneCheckpoints(shared, Retention{.keep_last = 1, .keep_best = true}, StepDir(shared, 5),
-                                  CheckpointWriter{.job = me, .generation = 3}, {other});
+                                  CheckpointWriter{.job = me, .generation = 3, .lineage = {other}});
   ASSERT_TRUE(lineage.ok()) << lineage.status();
   std::vector<int64_t> lineage_steps;
   for (const CheckpointInfo& c : *lineage) lineage_steps.push_back(c.step);
@@ -220,6 +220,64 @@ TEST(Retention, ATrainingRunKeepsItsNewestAndBestAndAFullDiskLosesNothing) {
   const std::vector<StepStats> resumed = testing::Losses(more);
   ASSERT_EQ(resumed.size(), 2u);
   EXPECT_EQ(resumed[0].step, 7);
+}
+
+// A run killed after every step and resumed in the same directory is one
+// run: each link counts every earlier link's checkpoints as its own (the
+// lineage its checkpoints record), not only the one it resumed from, so
+// the directory keeps the newest K whatever the chain's length.
+TEST(Retention, AChainOfResumesPrunesWhatEveryEarlierRunWrote) {
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("retention_chain_gpt2"), testing::TinyByteLevel());
+  ASSERT_TRUE(model.ok()) << model.status();
+  TrainOptions o = testing::SmallRun(model->dir, 1, 1, 2);
+  o.seq_len = 16;
+  o.save_dir = TempPath("retention_chain_ck");
+  o.save_every = 1;
+  o.keep_last = 2;
+  ASSERT_EQ(testing::Losses(o).size(), 2u);
+  EXPECT_EQ(Entries(o.save_dir), (std::set<std::string>{"step-000001", "step-000002"}));
+  o.resume_dir = o.save_dir;
+  std::vector<std::string> writers;
+  for (int64_t last = 3; last <= 5; ++last) {  // three more runs of one step each
+    o.steps = last;
+    const std::vector<StepStats> link = testing::Losses(o);
+    ASSERT_EQ(link.size(), 1u);
+    EXPECT_EQ(Entries(o.save_dir),
+              (std::set<std::string>{absl::StrFormat("step-%06d", last - 1), absl::StrFormat("step-%06d", last)}));
+    auto state = ReadTrainState(StepDir(o.save_dir, last));
+    ASSERT_TRUE(state.ok()) << state.status();
+    EXPECT_EQ(state->lineage.size(), static_cast<size_t>(last - 2)) << "every earlier link, oldest first";
+    if (!writers.empty()) EXPECT_EQ(state->lineage.back(), writers.back());
+    writers.push_back(state->job);
+  }
+  // Resuming the checkpoint named (not the directory) continues no lineage:
+  // the run it came from may have newer ones here.
+  o.resume_dir = StepDir(o.save_dir, 4);
+  o.steps = 5;
+  o.save_dir = TempPath("retention_chain_named");
+  ASSERT_EQ(testing::Losses(o).size(), 1u);
+  auto named = ReadTrainState(StepDir(o.save_dir, 5));
+  ASSERT_TRUE(named.ok()) << named.status();
+  EXPECT_TRUE(named->lineage.empty());
+
+  // A lineage that does not read is none (a hand-edited state file).
+  const std::string odd = TempPath("retention_chain_odd");
+  for (const std::string& lineage : {std::string("[\"a\", 7]"), std::string("[\"../x\"]"), std::string("\"a\"")}) {
+    fs::remove_all(odd);
+    FakeCheckpoint(odd, 1, std::nullopt, 1, "me");
+    std::ofstream(StepDir(odd, 1) + "/train_state.json")
+        << "{\"step\": 1, \"seed\": 1, \"job\": \"me\", \"lineage\": " << lineage << "}";
+    auto r = ReadTrainState(StepDir(odd, 1));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(r->lineage.empty()) << lineage;
+  }
+  EXPECT_EQ(ContinuedLineage({"a", "b", "me"}, "b", "me"), (std::vector<std::string>{"a", "b"}));
+  std::vector<std::string> long_chain;
+  for (size_t i = 0; i < kMaxCheckpointLineage; ++i) long_chain.push_back(absl::StrCat("w", i));
+  const std::vector<std::string> capped = ContinuedLineage(long_chain, "last", "me");
+  ASSERT_EQ(capped.size(), kMaxCheckpointLineage);
+  EXPECT_EQ(capped.front(), "w1");
+  EXPECT_EQ(capped.back(), "last");
 }
 
 TEST(Retention, SettingsThatCannotWorkAreRefused) {

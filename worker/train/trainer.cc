@@ -279,8 +279,7 @@ CheckpointWriter LocalRunWriter() {
 
 struct PreparedTrain {
   TrainOptions options;
-  std::string resume;  // the checkpoint to resume from, if any
-  std::string resumed_writer;  // its writer, whose checkpoints retention counts as this run's
+  std::string resume;          // the checkpoint to resume from, if any
   int64_t resumed_step = -1;   // its step (-1: none)
   std::vector<std::string> skipped;  // newer checkpoints passed over as damaged, and why
   bool resumed_named = false;  // resume_dir is the checkpoint itself (DIR/step-N), not a directory of them
@@ -462,7 +461,11 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
       run->options.shard.param_dtype = *state.param_dtype;
     }
     run->seed = state.seed;  // the sampler continues the stream it was on
-    run->resumed_writer = state.job;
+    // A run continued in a directory of checkpoints counts the runs it
+    // continues as its own (retention). (Not where the user named one
+    // checkpoint: the run it came from may have newer ones there, which are
+    // not this run's to prune.)
+    if (!run->resumed_named) run->writer.lineage = ContinuedLineage(state.lineage, state.job, run->writer.job);
     run->resumed_step = state.step;
   }
   const int64_t rows = o.batch_size / dp;
@@ -1010,15 +1013,10 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       // a rank aborted since then removes nothing (another job or generation
       // may own the directory now).
       if (rank == 0 && pg.Aborted().ok()) {
-        // The run it resumed from is the same run continued: its
-        // checkpoints here count as this one's (a restart's are its own).
-        // (Not where the user named one checkpoint: the run it came from may
-        // have newer ones there, which are not this run's to prune.)
-        std::vector<std::string> also_own;
-        if (!run.resume.empty() && !run.resumed_named) also_own.push_back(run.resumed_writer);
-        absl::StatusOr<std::vector<CheckpointInfo>> kept =
-            PruneCheckpoints(o.save_dir, Retention{.keep_last = o.keep_last, .keep_best = o.keep_best}, s.checkpoint,
-                             run.writer, also_own);
+        // The runs it continues are the same run: their checkpoints here
+        // count as this one's (run.writer.lineage; a restart's are its own).
+        absl::StatusOr<std::vector<CheckpointInfo>> kept = PruneCheckpoints(
+            o.save_dir, Retention{.keep_last = o.keep_last, .keep_best = o.keep_best}, s.checkpoint, run.writer);
         if (kept.ok()) {
           s.checkpoints = *std::move(kept);
           // The report carries the newest kMaxReportedCheckpoints, their
