@@ -378,7 +378,16 @@ class JobManager {
   std::function<void(const std::string&)> before_write_;  // set before any write
   RoomHooks room_;  // set before any write
   absl::Mutex mu_;
-  std::map<std::string, Entry> jobs_ ABSL_GUARDED_BY(mu_);
+  // Job ids in the order they were handed out: job-NNNNNN has at least six
+  // digits, and job-1000000 comes after job-999999 (shorter first), not
+  // between job-100000 and job-100001 as strings would put it. List,
+  // ListPage's pages and the scheduler's queue go in this order.
+  struct JobIdOrder {
+    bool operator()(const std::string& a, const std::string& b) const {
+      return a.size() != b.size() ? a.size() < b.size() : a < b;
+    }
+  };
+  std::map<std::string, Entry, JobIdOrder> jobs_ ABSL_GUARDED_BY(mu_);
   int64_t max_active_jobs_ ABSL_GUARDED_BY(mu_) = kDefaultMaxActiveJobs;
   absl::flat_hash_map<std::string, std::string> job_by_request_id_ ABSL_GUARDED_BY(mu_);
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;

@@ -643,6 +643,44 @@ TEST(JobManager, JobNumbersNearTheirLimitAreNotTaken) {
   }
 }
 
+// Past job-999999 the ids have seven digits: job-1000000 is listed (and
+// queued) after job-999999, not among job-1000xx as a string would sort,
+// before and after a reopen, and a page ends and goes on in that order.
+TEST(JobManager, AJobOfSevenDigitsComesAfterThoseOfSix) {
+  FakeClock clock;
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/job-digits";
+  std::filesystem::remove_all(dir);
+  {
+    auto jobs = JobManager::Open(dir, &clock);
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    ASSERT_EQ((*jobs)->Submit(TrainSpec(), "")->job_id(), "job-000001");
+  }
+  ASSERT_TRUE(WriteFileAtomically(dir + "/next-id", "999999\n").ok());
+  const std::vector<std::string> want = {"job-000001", "job-999999", "job-1000000", "job-1000001"};
+  for (int open = 0; open < 2; ++open) {
+    auto jobs = JobManager::Open(dir, &clock);
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    if (open == 0) {
+      for (size_t i = 1; i < want.size(); ++i) {
+        auto job = (*jobs)->Submit(TrainSpec(), "");
+        ASSERT_TRUE(job.ok()) << job.status();
+        EXPECT_EQ(job->job_id(), want[i]);
+      }
+    }
+    std::vector<std::string> listed;
+    for (const v1::Job& j : (*jobs)->List({})) listed.push_back(j.job_id());
+    EXPECT_EQ(listed, want) << "open " << open;
+    const JobManager::Page first = (*jobs)->ListPage({}, "", 2, nullptr);
+    ASSERT_EQ(first.jobs.size(), 2u);
+    EXPECT_TRUE(first.more);
+    const JobManager::Page rest = (*jobs)->ListPage({}, first.jobs.back().job_id(), 10, nullptr);
+    ASSERT_EQ(rest.jobs.size(), 2u);
+    EXPECT_EQ(rest.jobs[0].job_id(), "job-1000000");
+    EXPECT_EQ(rest.jobs[1].job_id(), "job-1000001");
+    EXPECT_FALSE(rest.more);
+  }
+}
+
 // A job whose record cannot be written (a full disk) is refused
 // RESOURCE_EXHAUSTED and leaves nothing: not listed, its request id free,
 // not there after a reopen. Accepted jobs are durable.
