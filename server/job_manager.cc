@@ -25,7 +25,7 @@
 #include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "google/protobuf/io/coded_stream.h"
-#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "google/protobuf/wire_format_lite.h"
 #include "spec/job_validation.h"
 #include "spec/model_config.h"
@@ -950,20 +950,7 @@ namespace {
 bool SameSubmission(v1::JobSpec a, v1::JobSpec b) {
   a.mutable_model()->clear_upload_id();
   b.mutable_model()->clear_upload_id();
-  std::string x, y;
-  {
-    google::protobuf::io::StringOutputStream out(&x);
-    google::protobuf::io::CodedOutputStream coded(&out);
-    coded.SetSerializationDeterministic(true);
-    a.SerializeToCodedStream(&coded);
-  }
-  {
-    google::protobuf::io::StringOutputStream out(&y);
-    google::protobuf::io::CodedOutputStream coded(&out);
-    coded.SetSerializationDeterministic(true);
-    b.SerializeToCodedStream(&coded);
-  }
-  return x == y;
+  return google::protobuf::util::MessageDifferencer::Equals(a, b);
 }
 
 }  // namespace

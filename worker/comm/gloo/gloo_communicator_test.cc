@@ -36,11 +36,11 @@ namespace {
 
 constexpr absl::Duration kWait = absl::Seconds(30);
 
-// Starts `n` ranks, runs body(rank, comm) on each, then a final barrier; keeps
-// every communicator alive until all ranks are done (Gloo teardown rule).
-void RunRanks(int n, const std::function<void(int, Communicator&)>& body,
-              absl::Duration timeout = absl::Seconds(30),
-              const std::function<void(GlooCommunicator::Options&)>& configure = nullptr) {
+// `n` ranks connected over a store of their own (each made on a thread of
+// its own, as ranks are), `timeout` each (and `configure`'s options); empty
+// where one could not connect.
+std::vector<std::unique_ptr<GlooCommunicator>> ConnectedRanks(
+    int n, absl::Duration timeout, const std::function<void(GlooCommunicator::Options&)>& configure = nullptr) {
   auto shared = std::make_shared<RendezvousStore>();
   std::vector<std::unique_ptr<GlooCommunicator>> comms(n);
   std::vector<std::thread> threads;
@@ -53,27 +53,6 @@ void RunRanks(int n, const std::function<void(int, Communicator&)>& body,
       auto c = GlooCommunicator::Create(store, r, n, o);
       ASSERT_TRUE(c.ok()) << c.status();
       comms[r] = std::move(*c);
-      body(r, *comms[r]);
-      ASSERT_TRUE(comms[r]->Barrier()->Wait(kWait).ok());
-    });
-  }
-  for (auto& t : threads) t.join();
-}
-
-// `n` ranks connected over a store of their own (each made on a thread of
-// its own, as ranks are), `timeout` each; empty where one could not connect.
-std::vector<std::unique_ptr<GlooCommunicator>> ConnectedRanks(int n, absl::Duration timeout) {
-  auto shared = std::make_shared<RendezvousStore>();
-  std::vector<std::unique_ptr<GlooCommunicator>> comms(n);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      InMemoryStore store(shared, "test");
-      GlooCommunicator::Options o;
-      o.timeout = timeout;
-      auto c = GlooCommunicator::Create(store, r, n, o);
-      ASSERT_TRUE(c.ok()) << c.status();
-      comms[r] = std::move(*c);
     });
   }
   for (auto& t : threads) t.join();
@@ -81,6 +60,23 @@ std::vector<std::unique_ptr<GlooCommunicator>> ConnectedRanks(int n, absl::Durat
     if (c == nullptr) return {};
   }
   return comms;
+}
+
+// Connects `n` ranks, runs body(rank, comm) on a thread each, then a final
+// barrier; keeps every communicator alive until all ranks are done (Gloo
+// teardown rule).
+void RunRanks(int n, const std::function<void(int, Communicator&)>& body, absl::Duration timeout = absl::Seconds(30),
+              const std::function<void(GlooCommunicator::Options&)>& configure = nullptr) {
+  std::vector<std::unique_ptr<GlooCommunicator>> comms = ConnectedRanks(n, timeout, configure);
+  ASSERT_EQ(comms.size(), static_cast<size_t>(n)) << "the ranks did not connect";
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      body(r, *comms[r]);
+      ASSERT_TRUE(comms[r]->Barrier()->Wait(kWait).ok());
+    });
+  }
+  for (auto& t : threads) t.join();
 }
 
 // Element i of rank r: small integers, exact in every dtype, never all zero.
