@@ -675,7 +675,7 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report, 
                                         Utf8Prefix(r.message(), kMaxReportedMessageBytes));
           p.drained_at = std::min(p.drained_at, clock_->Now());
         }
-        if (p.AllEnded()) EndDrainLocked(p, "");
+        EndIfAllEndedLocked(p, "");
       } else if (!p.stopping() && r.code() != 0) {
         const absl::Status s(static_cast<absl::StatusCode>(r.code()), Utf8Prefix(r.message(), kMaxReportedMessageBytes));
         std::string reason = absl::StrCat(RankName(p.mesh, rank), ": ", s.ToString());
@@ -701,14 +701,8 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report, 
           p.failure_peer_caused = r.peer_caused();
           wake_ = true;
         }
-      } else if (p.state == PlacementState::kRunning && p.AllEnded()) {
-        // (Not while kProbing: a rank failed, and the job fails or restarts
-        // once its peers were probed, however the others ended.)
-        if (!p.drain_reason.empty()) {  // the others drained: none finished the run
-          EndDrainLocked(p, "");
-        } else {
-          EndLocked(p, v1::JOB_STATE_SUCCEEDED, absl::StrCat("all ", p.mesh.world_size(), " ranks finished"), -1);
-        }
+      } else {
+        EndIfAllEndedLocked(p, "");  // the others drained: none finished the run
       }
       break;
     }
@@ -824,6 +818,17 @@ void Scheduler::EndDrainLocked(Placed& p, const std::string& note) {
   FailLocked(p, absl::StrCat(p.drain_reason, note, " (a drain that saved no new checkpoint)"), /*retryable=*/true, -1);
 }
 
+void Scheduler::EndIfAllEndedLocked(Placed& p, const std::string& drain_note) {
+  // (Not while kProbing: a rank failed, and the job fails or restarts once
+  // its peers were probed, however the others ended.)
+  if (p.state != PlacementState::kRunning || !p.AllEnded()) return;
+  if (!p.drain_reason.empty()) {
+    EndDrainLocked(p, drain_note);
+  } else {
+    EndLocked(p, v1::JOB_STATE_SUCCEEDED, absl::StrCat("all ", p.mesh.world_size(), " ranks finished"), -1);
+  }
+}
+
 void Scheduler::EndLocked(Placed& p, v1::JobState state, const std::string& reason, int except_rank) {
   (void)jobs_->SetState(p.job_id, state, reason);  // FAILED_PRECONDITION if it already ended
   // (A cancel while it was being placed again ends it: kEnding.)
@@ -899,16 +904,12 @@ void Scheduler::NoticeLostReportsLocked(const std::vector<v1::Worker>& workers) 
                                             " (its worker says; its report never reached the coordinator)");
       COLOD_LOG(WARNING) << "job " << p.job_id << ": " << said;
       if (p.state == PlacementState::kProbing) continue;  // the probed failure decides
-      if (p.state == PlacementState::kRunning && !p.drain_reason.empty()) {
-        if (p.AllEnded()) EndDrainLocked(p, absl::StrCat("; ", said));  // as for a lost worker (Tick)
-        continue;
-      }
-      // An OK end of a TRAIN or TENSOR rank is that rank's success (a
+      // A rank whose peers drained drained with them (as for a lost worker:
+      // Tick); an OK end of a TRAIN or TENSOR rank is that rank's success (a
       // FORWARD rank's result went with its report: run again).
-      if (code == absl::StatusCode::kOk && p.spec.kind() != v1::JOB_KIND_FORWARD) {
-        if (p.AllEnded()) {
-          EndLocked(p, v1::JOB_STATE_SUCCEEDED, absl::StrCat("all ", p.mesh.world_size(), " ranks finished"), -1);
-        }
+      if ((p.state == PlacementState::kRunning && !p.drain_reason.empty()) ||
+          (code == absl::StatusCode::kOk && p.spec.kind() != v1::JOB_KIND_FORWARD)) {
+        EndIfAllEndedLocked(p, absl::StrCat("; ", said));
         continue;
       }
       std::string reason = said;

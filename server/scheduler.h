@@ -300,6 +300,11 @@ class Scheduler {
   // PENDING where it reported a checkpoint past the one it resumed from,
   // else a failure (FailLocked, retryable).
   void EndDrainLocked(Placed& p, const std::string& note) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A rank of a running placement ended without failing it (OK, or drained
+  // with its peers): once every rank ended, the job's success, or where its
+  // ranks drained, EndDrainLocked with `drain_note`. Nothing while the
+  // placement probes a failure or stops.
+  void EndIfAllEndedLocked(Placed& p, const std::string& drain_note) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends this placement, moving it to `next` (kEnding, kRequeueing or
   // kRestarting): aborts to the ranks still running (not `except_rank`); the
   // job's state is the caller's.
