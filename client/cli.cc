@@ -405,7 +405,8 @@ void PrintStep(const v1::StepProgress& p, int64_t steps, bool json) {
   std::fflush(stdout);
 }
 
-int PrintForwardResult(const v1::ForwardResult& result, bool images, const std::string& logits_path, bool json) {
+int PrintForwardResult(const v1::ForwardResult& result, bool images, const std::string& logits_path, bool json,
+                       const std::string& writer) {
   const std::vector<int64_t> s(result.logits_shape().begin(), result.logits_shape().end());
   if (s.size() != (images ? 2u : 3u)) {
     return Fail(absl::InternalError("the forward pass returned no logits shape"));
@@ -414,6 +415,7 @@ int PrintForwardResult(const v1::ForwardResult& result, bool images, const std::
     nlohmann::json out = {{"loss", result.loss()}, {"tokens", result.tokens()}, {"shape", s}};
     if (images && result.tokens() == 0) out["loss"] = nlohmann::json();  // no labels, no loss
     out["logits"] = logits_path.empty() ? nlohmann::json() : nlohmann::json(logits_path);
+    if (!logits_path.empty() && !writer.empty()) out["logits_worker"] = writer;
     std::printf("%s\n", JsonText(out).c_str());
     return 0;
   }
@@ -427,7 +429,8 @@ int PrintForwardResult(const v1::ForwardResult& result, bool images, const std::
     std::printf("no loss (no --labels)\n");
   }
   if (!logits_path.empty()) {
-    std::printf("logits f32 [%s] written to %s\n", absl::StrJoin(s, ", ").c_str(), logits_path.c_str());
+    std::printf("logits f32 [%s] written to %s%s\n", absl::StrJoin(s, ", ").c_str(), logits_path.c_str(),
+                writer.empty() ? "" : absl::StrCat(" on the machine of worker ", writer, " (rank 0's)").c_str());
   }
   return 0;
 }

@@ -50,8 +50,10 @@ int WorkersFor(const v1::ShardConfig& layout) {
 }
 
 // A FORWARD job on the cluster at `address`, followed to its end: the
-// pass's result, or the job's failure.
-absl::StatusOr<v1::ForwardResult> ForwardOnCluster(const std::string& address, v1::JobSpec spec) {
+// pass's result, or the job's failure; `rank0_worker` gets the worker that
+// ran rank 0 (which wrote the logits).
+absl::StatusOr<v1::ForwardResult> ForwardOnCluster(const std::string& address, v1::JobSpec spec,
+                                                   std::string* rank0_worker) {
   auto client = MakeClient(address);
   if (!client.ok()) return client.status();
   // On --coordinator's cluster the workers may not see this machine's files
@@ -67,6 +69,7 @@ absl::StatusOr<v1::ForwardResult> ForwardOnCluster(const std::string& address, v
     return absl::AbortedError(
         absl::StrCat("job ", ended->job_id(), " ", JobStateLabel(ended->state()), ": ", ended->reason()));
   }
+  if (ended->mesh().ranks_size() > 0) *rank0_worker = ended->mesh().ranks(0).worker_id();
   return ended->forward_result();
 }
 
@@ -126,14 +129,20 @@ int RunForward(const std::vector<std::string>&) {
     return Usage(absl::StrCat("forward: ", valid.message()));
   }
   v1::ForwardResult result;
+  std::string rank0_worker;
   const int code = RunOnCoordinatorOrEmbeddedCluster(WorkersFor(spec.shard()), [&](const std::string& address) {
-    auto run = ForwardOnCluster(address, spec);
+    auto run = ForwardOnCluster(address, spec, &rank0_worker);
     if (!run.ok()) return Fail(run.status());
     result = *run;
     return 0;
   });
   if (code != 0) return code;
-  return PrintForwardResult(result, files->images, files->logits, JsonOutput());
+  // On --coordinator's cluster the logits are on rank 0's worker's machine,
+  // at the path as it resolved there (an embedded cluster's is this one).
+  if (ExplicitCoordinator().empty()) rank0_worker.clear();
+  const std::string logits =
+      rank0_worker.empty() || result.logits_path().empty() ? files->logits : result.logits_path();
+  return PrintForwardResult(result, files->images, logits, JsonOutput(), rank0_worker);
 }
 
 // coloctl train against a cluster: submit, then print the steps as the

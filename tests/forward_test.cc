@@ -4,6 +4,7 @@
 #include <cmath>
 #include <fstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gtest/gtest.h"
@@ -86,6 +87,41 @@ TEST_F(Forward, LogitsAndLossMatchTheUnshardedModelAtEveryLayout) {
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("loss "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("l.npy"), std::string::npos) << r.out;
+}
+
+// On --coordinator's cluster rank 0's worker writes the logits on its own
+// machine: coloctl says which worker, and the path as it resolved there.
+// (Here the workers share this machine, so the file is read back.)
+TEST_F(Forward, OnAClusterTheLogitsAreSaidToBeOnRankZerosWorker) {
+  testing::Daemon coordinator = testing::StartTestCoordinator();
+  ASSERT_FALSE(coordinator.grpc.empty()) << testing::ReadFile(coordinator.log);
+  std::vector<testing::Daemon> workers = testing::StartTestWorkers(coordinator.grpc, 2);
+  const std::vector<std::string> args = {
+      "--coordinator", coordinator.grpc,       "forward", "--model", model_.dir, "--input", TempPath("ids.npy"),
+      "--logits",      TempPath("remote.npy"), "--tp",    "2"};
+  const auto text = Coloctl(args);
+  ASSERT_EQ(text.code, 0) << text.err;
+  EXPECT_TRUE(absl::StrContains(text.out, "written to " + TempPath("remote.npy") + " on the machine of worker "))
+      << text.out;
+  EXPECT_TRUE(absl::StrContains(text.out, " (rank 0's)")) << text.out;
+  std::vector<std::string> json_args = args;
+  json_args.insert(json_args.end(), {"--output", "json"});
+  const auto json = Coloctl(json_args);
+  ASSERT_EQ(json.code, 0) << json.err;
+  const nlohmann::json out = nlohmann::json::parse(json.out, nullptr, false);
+  ASSERT_TRUE(out.is_object()) << json.out;
+  EXPECT_EQ(out["logits"], TempPath("remote.npy"));
+  ASSERT_TRUE(out["logits_worker"].is_string()) << json.out;
+  const auto listed = Coloctl({"--coordinator", coordinator.grpc, "workers"});
+  EXPECT_TRUE(absl::StrContains(listed.out, out["logits_worker"].get<std::string>())) << listed.out;
+  auto logits = ReadNpy(TempPath("remote.npy"));
+  ASSERT_TRUE(logits.ok()) << logits.status();
+  ::colod::testing::ExpectAllClose(*logits, ref_.logits, "logits on a cluster", 2e-4);
+  // On an embedded cluster (no --coordinator) the file is this machine's.
+  const auto local = Coloctl({"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--logits",
+                              TempPath("local.npy"), "--output", "json"});
+  ASSERT_EQ(local.code, 0) << local.err;
+  EXPECT_FALSE(nlohmann::json::parse(local.out, nullptr, false).contains("logits_worker")) << local.out;
 }
 
 // Without --logits the ranks gather none (each keeps its replica's rows):
