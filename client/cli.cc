@@ -262,6 +262,7 @@ absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string&
   std::vector<StepPoint> losses, evals;
   double tokens_per_second = 0;
   bool resume_said = false;  // a rank 0 that resumed said so: its first step need not again
+  bool unread_said = false;  // a model's tensors not loaded, said once
   const absl::Status s = client.WatchJob(job_id, 1, absl::GetFlag(FLAGS_watch_timeout), [&](const v1::JobEvent& ev) {
     // Said once it is known, not only with the first step: a run resumed at
     // its last step reports none.
@@ -270,9 +271,20 @@ absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string&
                    static_cast<long long>(ev.rank_status().resumed_step()));
       const std::string& message = ev.rank_status().message();
       if (const size_t at = message.find(kPassedOverDamaged); at != std::string::npos) {
-        std::fprintf(stderr, "coloctl: %s\n", message.substr(at).c_str());
+        const size_t unread = message.find(absl::StrCat("; ", kUnreadTensors), at);  // said below
+        std::fprintf(stderr, "coloctl: %s\n",
+                     message.substr(at, unread == std::string::npos ? std::string::npos : unread - at).c_str());
       }
       resume_said = true;
+    }
+    // Once a generation: a restart loads the model again.
+    if (ev.has_rank_status() && ev.rank_status().rank() == 0 && ev.rank_status().phase() == v1::RANK_PHASE_TRAINING &&
+        !unread_said) {
+      const std::string& message = ev.rank_status().message();
+      if (const size_t at = message.find(kUnreadTensors); at != std::string::npos) {
+        std::fprintf(stderr, "coloctl: warning: %s\n", message.substr(at).c_str());
+        unread_said = true;
+      }
     }
     if (on_step && ev.has_step()) {
       if (resume_said && !ev.step().resumed_from().empty()) {
@@ -411,10 +423,18 @@ int PrintForwardResult(const v1::ForwardResult& result, bool images, const std::
   if (s.size() != (images ? 2u : 3u)) {
     return Fail(absl::InternalError("the forward pass returned no logits shape"));
   }
+  if (result.unread_tensor_count() > 0) {
+    const std::vector<std::string> names(result.unread_tensors().begin(), result.unread_tensors().end());
+    std::fprintf(stderr, "coloctl: warning: %s\n", UnreadTensorsNote(result.unread_tensor_count(), names).c_str());
+  }
   if (json) {
     nlohmann::json out = {{"loss", result.loss()}, {"tokens", result.tokens()}, {"shape", s}};
     if (images && result.tokens() == 0) out["loss"] = nlohmann::json();  // no labels, no loss
     out["logits"] = logits_path.empty() ? nlohmann::json() : nlohmann::json(logits_path);
+    if (result.unread_tensor_count() > 0) {
+      out["unread_tensors"] = std::vector<std::string>(result.unread_tensors().begin(), result.unread_tensors().end());
+      out["unread_tensor_count"] = result.unread_tensor_count();
+    }
     if (!logits_path.empty() && !writer.empty()) out["logits_worker"] = writer;
     std::printf("%s\n", JsonText(out).c_str());
     return 0;

@@ -107,6 +107,7 @@ int RunForwardOnGpus(const std::vector<std::string>&) {
   result.set_loss(run->loss);
   result.set_tokens(run->tokens);
   for (int64_t d : run->logits_shape) result.add_logits_shape(d);
+  shardformer::SetUnreadTensors(run->unread_tensors, result);
   return PrintForwardResult(result, files->images, files->logits, JsonOutput());
 }
 

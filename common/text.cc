@@ -1,5 +1,10 @@
 #include "common/text.h"
 
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
 namespace colod {
 namespace {
 
@@ -35,6 +40,15 @@ size_t SequenceLength(absl::string_view s, size_t i) {
 constexpr absl::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD
 
 }  // namespace
+
+std::string UnreadTensorsNote(int64_t count, const std::vector<std::string>& names) {
+  constexpr size_t kNamed = 8;
+  std::vector<std::string> named(names.begin(), names.begin() + std::min(names.size(), kNamed));
+  const int64_t more = count - static_cast<int64_t>(named.size());
+  return absl::StrCat(kUnreadTensors, count,
+                      " (not this model's: does its config.json describe these weights, of as many layers?): ",
+                      absl::StrJoin(named, ", "), more > 0 ? absl::StrCat(" and ", more, " more") : "");
+}
 
 std::string ValidUtf8(absl::string_view text) {
   std::string out;

@@ -5,7 +5,9 @@
 #define COLOD_COMMON_TEXT_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/strings/string_view.h"
 
@@ -18,6 +20,13 @@ inline constexpr size_t kMaxReportedMessageBytes = 16 << 10;
 // resume passed over as damaged (each "step-N: why", "; " between): coloctl
 // shows them where the worker's log is out of the user's sight.
 inline constexpr char kPassedOverDamaged[] = "passed over damaged checkpoints: ";
+// Before UnreadTensorsNote's count, in rank 0's TRAINING status message.
+inline constexpr char kUnreadTensors[] = "tensors of the model's files not loaded: ";
+
+// kUnreadTensors, `count` and why it matters, and the first of `names`
+// (at most 8, "and K more"): a model loaded whose files hold tensors that
+// are not its own (ShardedModel::unread_tensors).
+std::string UnreadTensorsNote(int64_t count, const std::vector<std::string>& names);
 
 // `text` with each byte that does not belong to a well-formed UTF-8
 // sequence (a stray continuation byte, a truncated or overlong sequence, a

@@ -2,6 +2,7 @@
 // .npy file in, logits .npy and the loss out, at several layouts, against
 // the unsharded reference; and the errors a user can make.
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 
 #include "absl/strings/match.h"
@@ -122,6 +123,39 @@ TEST_F(Forward, OnAClusterTheLogitsAreSaidToBeOnRankZerosWorker) {
                               TempPath("local.npy"), "--output", "json"});
   ASSERT_EQ(local.code, 0) << local.err;
   EXPECT_FALSE(nlohmann::json::parse(local.out, nullptr, false).contains("logits_worker")) << local.out;
+}
+
+// A config.json of fewer layers than its weights loads (as Hugging Face
+// does), and coloctl warns, naming what of the files was not loaded; the
+// JSON carries the names and their count.
+TEST_F(Forward, TensorsTheModelDidNotLoadAreNamed) {
+  const std::string dir = TempPath("one_layer");
+  std::filesystem::create_directories(dir);
+  std::filesystem::copy_file(model_.dir + "/model.safetensors", dir + "/model.safetensors",
+                             std::filesystem::copy_options::overwrite_existing);
+  nlohmann::json config = nlohmann::json::parse(testing::ReadFile(model_.dir + "/config.json"));
+  config["n_layer"] = 1;
+  std::ofstream(dir + "/config.json") << config.dump();
+  int64_t second = 0;
+  for (const auto& [name, t] : model_.tensors) second += absl::StartsWith(name, "transformer.h.1.") ? 1 : 0;
+  ASSERT_GT(second, 8);
+  const auto text = Coloctl({"forward", "--model", dir, "--input", TempPath("ids.npy")});
+  ASSERT_EQ(text.code, 0) << text.err;
+  EXPECT_TRUE(absl::StrContains(text.err, absl::StrCat("coloctl: warning: tensors of the model's files not loaded: ",
+                                                       second, " (not this model's")))
+      << text.err;
+  EXPECT_TRUE(absl::StrContains(text.err, "transformer.h.1.attn.c_attn.bias")) << text.err;
+  EXPECT_TRUE(absl::StrContains(text.err, absl::StrCat(" and ", second - 8, " more"))) << text.err;
+  const auto json = Coloctl({"forward", "--model", dir, "--input", TempPath("ids.npy"), "--output", "json"});
+  ASSERT_EQ(json.code, 0) << json.err;
+  const nlohmann::json out = nlohmann::json::parse(json.out, nullptr, false);
+  ASSERT_TRUE(out.is_object()) << json.out;
+  EXPECT_EQ(out["unread_tensor_count"], second);
+  EXPECT_EQ(out["unread_tensors"].size(), static_cast<size_t>(second));
+  // The model's own files: no warning.
+  const auto whole = Coloctl({"forward", "--model", model_.dir, "--input", TempPath("ids.npy")});
+  ASSERT_EQ(whole.code, 0) << whole.err;
+  EXPECT_FALSE(absl::StrContains(whole.err, "not loaded")) << whole.err;
 }
 
 // Without --logits the ranks gather none (each keeps its replica's rows):

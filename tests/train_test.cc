@@ -360,6 +360,26 @@ TEST(Train, BloomTrainsAlikeUnshardedAndSharded) {
                                          {"--tp", "4", "--mode", "2d"}});
 }
 
+// A model whose config.json has fewer layers than its weights trains (as
+// Hugging Face loads it), and coloctl warns, from rank 0's TRAINING status,
+// what of the files was not loaded.
+TEST(Train, TensorsTheModelDidNotLoadAreWarnedOf) {
+  shardformer::testing::TinyOptions o;
+  o.vocab = 257;
+  o.positions = 32;
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("gpt2_unread"), o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  nlohmann::json config = nlohmann::json::parse(ReadFile(model->dir + "/config.json"));
+  config["n_layer"] = 1;
+  std::ofstream(model->dir + "/config.json") << config.dump();
+  const auto r = Coloctl({"train", "--model", model->dir, "--data", "/usr/share/common-licenses/GPL-3", "--steps", "1",
+                          "--batch-size", "2", "--seq-len", "16", "--tp", "2", "--output", "json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(Lines(r.out).size(), 1u) << r.out;
+  EXPECT_TRUE(absl::StrContains(r.err, "coloctl: warning: tensors of the model's files not loaded: ")) << r.err;
+  EXPECT_TRUE(absl::StrContains(r.err, "transformer.h.1.")) << r.err;
+}
+
 // A ViT directory trains on images and labels from .npy files, as jobs on
 // the daemons, with the same losses unsharded, at tp2 x dp2 and in 3D;
 // without

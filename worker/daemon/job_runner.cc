@@ -553,6 +553,10 @@ absl::Status JobRunner::RunRank(Active& active) {
     if (!start.skipped.empty()) {
       absl::StrAppend(&message, "; ", kPassedOverDamaged, absl::StrJoin(start.skipped, "; "));
     }
+    if (!start.unread_tensors.empty()) {  // last: coloctl prints it to the message's end
+      absl::StrAppend(&message, message.empty() ? "" : "; ",
+                      UnreadTensorsNote(static_cast<int64_t>(start.unread_tensors.size()), start.unread_tensors));
+    }
     if (reporter.Phase(v1::RANK_PHASE_TRAINING, message, start.step, start.checkpoint)) active.stop = true;
     // Its step's report may have died with the worker that wrote it (no
     // metric: this worker did not train it).
@@ -624,6 +628,7 @@ absl::Status JobRunner::RunForward(Active& active, ProcessGroup& pg, const shard
   result.set_loss(out.loss);
   result.set_tokens(out.tokens);
   for (int64_t d : out.logits_shape) result.add_logits_shape(d);
+  shardformer::SetUnreadTensors(out.unread_tensors, result);
   if (!f.logits_path().empty()) {
     RETURN_IF_ERROR(WriteNpy(f.logits_path(), out.logits));
     result.set_logits_path(f.logits_path());

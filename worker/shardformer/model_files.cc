@@ -66,7 +66,20 @@ std::string ModelFiles::Stored(const std::string& name) const {
 absl::StatusOr<const SafetensorsFile*> ModelFiles::FileOf(const std::string& name) const {
   auto it = where_.find(Stored(name));
   if (it == where_.end()) return absl::NotFoundError(absl::StrCat(dir_, " has no tensor ", name));
+  {
+    absl::MutexLock lock(&mu_);
+    looked_up_.insert(it->first);
+  }
   return files_.at(it->second).get();
+}
+
+std::vector<std::string> ModelFiles::Unread() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> out;
+  for (const auto& [name, file] : where_) {
+    if (!looked_up_.count(name)) out.push_back(name);
+  }
+  return out;
 }
 
 absl::StatusOr<TensorInfo> ModelFiles::Info(const std::string& name) const {

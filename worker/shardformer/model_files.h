@@ -2,16 +2,20 @@
 // `model.safetensors.index.json` whose weight_map names the shard file of
 // every tensor. Each rank reads only its block of a tensor (ReadShard).
 //
-// Thread-safety: immutable after Open; reads may run concurrently.
+// Thread-safety: immutable after Open but for the names looked up
+// (Unread's record, under a mutex of its own); reads may run concurrently.
 #ifndef COLOD_WORKER_SHARDFORMER_MODEL_FILES_H_
 #define COLOD_WORKER_SHARDFORMER_MODEL_FILES_H_
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "worker/colo/colo_tensor.h"
 #include "worker/shardformer/safetensors.h"
 
@@ -25,6 +29,11 @@ class ModelFiles {
   static absl::StatusOr<std::unique_ptr<ModelFiles>> Open(const std::string& dir);
 
   std::vector<std::string> Names() const;
+  // The stored tensors no Info, Read, ReadSlice or ReadShard looked at yet,
+  // sorted: after a whole model was loaded, what of the files is not the
+  // model's (a config.json of fewer layers than its weights, a head the
+  // model does not have).
+  std::vector<std::string> Unread() const ABSL_LOCKS_EXCLUDED(mu_);
   bool Has(const std::string& name) const { return where_.count(Stored(name)) > 0; }
   // Names asked for with this prefix are looked up without it (a bare
   // model's checkpoint read as the LM model's).
@@ -48,6 +57,8 @@ class ModelFiles {
   std::map<std::string, std::unique_ptr<SafetensorsFile>> files_;  // by file name
   std::map<std::string, std::string> where_;                       // tensor -> file name
   std::string strip_prefix_;
+  mutable absl::Mutex mu_;
+  mutable std::set<std::string> looked_up_ ABSL_GUARDED_BY(mu_);  // stored names
 };
 
 }  // namespace colod::shardformer

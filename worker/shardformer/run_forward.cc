@@ -135,6 +135,7 @@ absl::StatusOr<ForwardResult> ForwardRank(const ForwardRequest& request, Process
   }
   ForwardResult result;
   result.logits_shape = ForwardLogitsShape(request, model->config());
+  result.unread_tensors = model->unread_tensors();
   if (request.gather_logits) {
     ASSIGN_OR_RETURN(Tensor full, model->GatherLogits(logits));  // this replica's rows, every tp rank
     // Back on the rank's device for the dp gather: an NCCL group moves device memory only.
@@ -148,6 +149,12 @@ absl::StatusOr<ForwardResult> ForwardRank(const ForwardRequest& request, Process
   result.loss = loss.value;
   result.tokens = loss.tokens;
   return result;
+}
+
+void SetUnreadTensors(const std::vector<std::string>& names, v1::ForwardResult& result) {
+  constexpr size_t kReported = 100;  // (ForwardResult.unread_tensors)
+  for (size_t i = 0; i < names.size() && i < kReported; ++i) result.add_unread_tensors(names[i]);
+  result.set_unread_tensor_count(static_cast<int64_t>(names.size()));
 }
 
 absl::StatusOr<ForwardResult> RunForward(const ForwardRequest& request) {

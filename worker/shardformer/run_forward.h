@@ -7,10 +7,12 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
-#include "worker/colo/process_group.h"
+#include "colod/v1/job.pb.h"
 #include "spec/model_config.h"
+#include "worker/colo/process_group.h"
 #include "worker/shardformer/shard_config.h"
 #include "worker/tensor/tensor.h"
 
@@ -61,6 +63,8 @@ struct ForwardResult {
   // How many predictions it averages: batch * (seq - 1), or the labelled
   // images (0: no loss).
   int64_t tokens = 0;
+  // ShardedModel::unread_tensors of the model it ran.
+  std::vector<std::string> unread_tensors;
 };
 
 // INVALID_ARGUMENT, before any rank starts, for an input that is not what
@@ -82,6 +86,10 @@ Shape ForwardLogitsShape(const ForwardRequest& request, const ModelConfig& confi
 // batch's loss, and with gather_logits the logits of every sequence of the
 // batch, gathered over tp and dp, on every rank.
 absl::StatusOr<ForwardResult> ForwardRank(const ForwardRequest& request, ProcessGroup& pg, const ShardConfig& shard);
+
+// Puts `names` (ForwardResult::unread_tensors) into `result`: the first
+// 100 by name, and their count.
+void SetUnreadTensors(const std::vector<std::string>& names, v1::ForwardResult& result);
 
 }  // namespace colod::shardformer
 

@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "common/atomic_file.h"
 #include "common/json.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "worker/colo/tensor_collectives.h"
@@ -493,6 +494,23 @@ absl::StatusOr<ModelConfig> LoadConfig(const std::string& dir) {
   return ParseModelConfig(text, path);
 }
 
+namespace {
+
+// Tensors a Hugging Face checkpoint may hold that no model reads: buffers
+// (the causal mask of GPT-2's files, the rotary frequencies of older LLaMA
+// ones, position ids) and the copies of a tied embedding.
+bool ReadByNoModel(absl::string_view name, const ModelConfig& config) {
+  for (absl::string_view buffer : {".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq", "position_ids"}) {
+    if (absl::EndsWith(name, buffer)) return true;
+  }
+  if (name == "lm_head.weight") return config.tie_word_embeddings;
+  // (T5's stacks share its `shared` table whether or not the head ties it.)
+  return config.is_encoder_decoder() &&
+         (name == "encoder.embed_tokens.weight" || name == "decoder.embed_tokens.weight");
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<std::unique_ptr<ShardedModel>>> ShardFormer::LoadChunks(const std::string& dir) {
   const int v = shard_.pp() > 1 ? shard_.virtual_stages() : 1;
   std::vector<std::unique_ptr<ShardedModel>> chunks;
@@ -557,6 +575,21 @@ absl::StatusOr<std::unique_ptr<ShardedModel>> ShardFormer::Load(const std::strin
   }
   ASSIGN_OR_RETURN(std::unique_ptr<ShardedModel> sharded, Optimize(std::move(model), config, *files, *policy));
   sharded->set_tied_tables(std::move(tied));
+  if (shard_.pp() == 1) {
+    std::vector<std::string> unread;
+    for (std::string& name : files->Unread()) {
+      if (!ReadByNoModel(name, config)) unread.push_back(std::move(name));
+    }
+    if (!unread.empty() && pg_->rank() == 0) {
+      constexpr size_t kNamed = 8;
+      std::vector<std::string> named(unread.begin(), unread.begin() + std::min(unread.size(), kNamed));
+      COLOD_LOG(WARNING) << dir << ": " << unread.size() << " of its tensors are not this " << config.model_type
+                         << " model's and were not loaded: " << absl::StrJoin(named, ", ")
+                         << (unread.size() > kNamed ? absl::StrCat(" and ", unread.size() - kNamed, " more") : "")
+                         << " (does config.json describe these weights? fewer layers than they have?)";
+    }
+    sharded->set_unread_tensors(std::move(unread));
+  }
   return sharded;
 }
 

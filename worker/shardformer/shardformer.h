@@ -281,6 +281,15 @@ class ShardedModel {
   // The tables this stage shares with others (ModelFamily::split_stage):
   // mirrors on every holder but the first.
   void set_tied_tables(std::vector<TiedTable> tables) { tied_ = std::move(tables); }
+  // The tensors of the files it was loaded from that no parameter took
+  // (ShardFormer::Load, at pp = 1: a stage reads its layers only), less
+  // those a Hugging Face checkpoint carries that no model reads (buffers:
+  // GPT-2's attention masks, rotary frequencies, position ids; tied copies
+  // of the embedding): a config.json of fewer layers than its weights, a
+  // head this model has not. Empty where the files were read whole or the
+  // model was built otherwise.
+  const std::vector<std::string>& unread_tensors() const { return unread_; }
+  void set_unread_tensors(std::vector<std::string> names) { unread_ = std::move(names); }
   // The full checkpoint tensors, by name, of the parameters (or of their
   // gradients: FAILED_PRECONDITION naming a parameter that has none).
   // Collective over the model's ranks.
@@ -290,6 +299,7 @@ class ShardedModel {
   std::unique_ptr<Module> root_;
   ModelConfig config_;
   ShardConfig shard_;
+  std::vector<std::string> unread_;
   // TokenLoss's end: this rank's per-row losses (`count` labelled) summed,
   // the sum and the count summed over `row_axes` and dp, and divided.
   absl::StatusOr<LmLoss> MeanOfRows(const Variable& per_row, int64_t count, std::vector<std::string> row_axes,

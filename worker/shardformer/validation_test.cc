@@ -2,8 +2,10 @@
 // layout against the config, the model type, and the checkpoint's tensors.
 // Each is found before any rank communicates (2D layers excepted), so one
 // rank's view suffices.
+#include <algorithm>
 #include <fstream>
 
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/colo/testing.h"
@@ -139,6 +141,68 @@ TEST(Validation, MissingAndMisshapedTensorsAreNamed) {
   ::colod::testing::RunMesh(*DeviceMesh::FromShardConfig(two_d.layout), [&](int, ProcessGroup& pg) {
     ExpectInvalid(ShardFormer(two_d, &pg).Load(llama->dir).status(), "lm_head.weight");
   });
+}
+
+// What of the files no parameter took, as ShardFormer::Load leaves it on the
+// model (rank 0 of `shard`'s mesh, tp = 1 here: no collective).
+std::vector<std::string> UnreadAsRank0(const std::string& dir) {
+  const ShardConfig shard = Layout(1, v1::TENSOR_PARALLEL_MODE_1D);
+  auto pg = ProcessGroup::Create(*DeviceMesh::FromShardConfig(shard.layout), 0,
+                                 [](const ProcessGroup::GroupInfo&) -> absl::StatusOr<std::unique_ptr<Communicator>> {
+                                   return absl::InternalError("validation must not communicate");
+                                 });
+  EXPECT_TRUE(pg.ok()) << pg.status();
+  if (!pg.ok()) return {"(no process group)"};
+  auto model = ShardFormer(shard, pg->get()).Load(dir);
+  EXPECT_TRUE(model.ok()) << model.status();
+  if (!model.ok()) return {"(not loaded)"};
+  return (*model)->unread_tensors();
+}
+
+// Every family's checkpoint is read whole, tied or not, with the buffers
+// Hugging Face files carry beside the parameters (which no model reads);
+// a config.json of fewer layers than the weights, or a tensor of another
+// model, leaves tensors unread, and the model names them.
+TEST(Validation, TensorsNoParameterTookAreNamed) {
+  testing::TinyOptions tied;
+  tied.tie = true;
+  const std::vector<std::pair<std::string, absl::StatusOr<testing::TinyModel>>> families = {
+      {"gpt2", testing::WriteTinyGpt2(TempPath("u_gpt2"))},
+      {"gpt2 bare", testing::WriteTinyGpt2(TempPath("u_gpt2_bare"), {.prefixed = false})},
+      {"llama", testing::WriteTinyLlama(TempPath("u_llama"))},
+      {"llama tied", testing::WriteTinyLlama(TempPath("u_llama_tied"), tied)},
+      {"bert", testing::WriteTinyBert(TempPath("u_bert"))},
+      {"opt", testing::WriteTinyOpt(TempPath("u_opt"), tied)},
+      {"bloom", testing::WriteTinyBloom(TempPath("u_bloom"))},
+      {"t5", testing::WriteTinyT5(TempPath("u_t5"), tied)},
+      {"flan-t5", testing::WriteTinyT5(TempPath("u_flan"), testing::TinyFlanT5())},
+      {"vit", testing::WriteTinyVit(TempPath("u_vit"))},
+  };
+  for (const auto& [name, m] : families) {
+    ASSERT_TRUE(m.ok()) << name << ": " << m.status();
+    EXPECT_EQ(UnreadAsRank0(m->dir), std::vector<std::string>{}) << name;
+  }
+  // GPT-2's hub files carry each block's causal mask (attn.bias,
+  // attn.masked_bias); a tied head's copy may be there too.
+  const testing::TinyModel& gpt2 = *families[0].second;
+  EditTensors(gpt2, [](auto& t) {
+    t["transformer.h.0.attn.bias"] = *Tensor::Zeros({1, 1, 16, 16}, DType::kF32);
+    t["transformer.h.1.attn.masked_bias"] = *Tensor::Zeros({1}, DType::kF32);
+    t["lm_head.weight"] = t.at("transformer.wte.weight");
+  });
+  EXPECT_EQ(UnreadAsRank0(gpt2.dir), std::vector<std::string>{});
+  // A config.json of one layer on weights of two: the second's tensors,
+  // and one of another model's head.
+  EditTensors(gpt2, [](auto& t) { t["score.weight"] = *Tensor::Zeros({2, 64}, DType::kF32); });
+  std::ofstream(gpt2.dir + "/config.json")
+      << R"({"model_type": "gpt2", "vocab_size": 50, "n_embd": 64, "n_layer": 1, "n_head": 4, "n_positions": 16})";
+  std::vector<std::string> want = {"score.weight"};
+  for (const auto& [tensor, value] : gpt2.tensors) {
+    if (absl::StartsWith(tensor, "transformer.h.1.")) want.push_back(tensor);
+  }
+  std::sort(want.begin(), want.end());
+  EXPECT_GT(want.size(), 10u);
+  EXPECT_EQ(UnreadAsRank0(gpt2.dir), want);
 }
 
 }  // namespace

@@ -814,7 +814,10 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   }
   start.step = first;
   start.checkpoint = run.resume;
-  if (rank == 0) start.skipped = run.skipped;
+  if (rank == 0) {
+    start.skipped = run.skipped;
+    start.unread_tensors = chunks.front()->unread_tensors();
+  }
   if (hooks.on_start) hooks.on_start(start);
   // A time-boxed run (one that stops before its last step, writing no
   // final model) resumed at or past its stop (a restart after the stop's

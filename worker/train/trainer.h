@@ -213,6 +213,9 @@ struct RankStart {
   std::optional<v1::StepProgress> checkpoint_step;
   // Rank 0: newer checkpoints passed over as damaged ("step-000010: why").
   std::vector<std::string> skipped;
+  // Rank 0: tensors of the model's files no parameter took
+  // (ShardedModel::unread_tensors; none where the pipeline split it).
+  std::vector<std::string> unread_tensors;
 };
 
 struct RankHooks {
