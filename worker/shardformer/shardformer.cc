@@ -504,6 +504,11 @@ bool ReadByNoModel(absl::string_view name, const ModelConfig& config) {
     if (absl::EndsWith(name, buffer)) return true;
   }
   if (name == "lm_head.weight") return config.tie_word_embeddings;
+  // BERT's MLM decoder: its weight is the word embedding's, its bias
+  // cls.predictions.bias (older files store both).
+  if (name == "cls.predictions.decoder.weight" || name == "cls.predictions.decoder.bias") {
+    return config.tie_word_embeddings;
+  }
   // (T5's stacks share its `shared` table whether or not the head ties it.)
   return config.is_encoder_decoder() &&
          (name == "encoder.embed_tokens.weight" || name == "decoder.embed_tokens.weight");
