@@ -2,11 +2,12 @@
 
 #include <algorithm>
 #include <cstring>
-#include <set>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
@@ -446,21 +447,32 @@ bool NcclCommunicator::CheckHealth(absl::Time now) {
     AbortWith(options_.abort_signal->Check());
     return true;
   }
-  std::string late;
+  // The collectives in flight, queried outside mu_ (a query is a driver
+  // call, and Enqueue and Abort take mu_): each Completion keeps its event
+  // alive however in_flight_ changes meanwhile.
+  std::vector<InFlight> flying;
   {
-    absl::MutexLock lock(&mu_);  // a few event queries; Abort waits for no more
+    absl::MutexLock lock(&mu_);
     if (comm_ == nullptr) return false;
-    // Drop what completed; the oldest unfinished collective past its deadline
-    // is late.
-    auto kept = in_flight_.begin();
-    for (auto it = in_flight_.begin(); it != in_flight_.end(); ++it) {
-      const cudaError_t q = cudaEventQuery(it->done->event);
-      if (q == cudaSuccess) continue;
-      if (late.empty() && now >= it->deadline && q == cudaErrorNotReady) late = Describe(it->op, it->seq);
-      if (kept != it) *kept = std::move(*it);
-      ++kept;
+    flying = in_flight_;
+  }
+  // Drop what completed; the oldest unfinished collective past its deadline
+  // is late.
+  std::string late;
+  absl::flat_hash_set<uint64_t> completed;
+  for (const InFlight& f : flying) {
+    const cudaError_t q = cudaEventQuery(f.done->event);
+    if (q == cudaSuccess) {
+      completed.insert(f.seq);
+    } else if (late.empty() && now >= f.deadline && q == cudaErrorNotReady) {
+      late = Describe(f.op, f.seq);
     }
-    in_flight_.erase(kept, in_flight_.end());
+  }
+  if (!completed.empty()) {
+    absl::MutexLock lock(&mu_);
+    in_flight_.erase(std::remove_if(in_flight_.begin(), in_flight_.end(),
+                                    [&](const InFlight& f) { return completed.contains(f.seq); }),
+                     in_flight_.end());
   }
   if (!late.empty()) {
     AbortWith(absl::DeadlineExceededError(absl::StrCat("nccl ", late, " did not complete within ",
