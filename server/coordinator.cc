@@ -109,6 +109,9 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
   if (options.worker_rpc_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--worker-rpc-timeout: must be > 0");
   }
+  if (options.max_ended_jobs < 0) {
+    return absl::InvalidArgumentError("--max-ended-jobs: must be >= 0 (0 keeps however many)");
+  }
   if (options.job_retention < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--job-retention: must be >= 0 (0 keeps every job)");
   }
@@ -325,10 +328,12 @@ void Coordinator::SweepLoop() {
         for (const std::string& id : uploads_->CollectGarbage(jobs_->UploadIdsInUse(), options_.upload_grace)) {
           COLOD_LOG(INFO) << "upload " << id << " removed: no job names it";
         }
-        const std::vector<std::string> expired = jobs_->Expire(options_.job_retention);  // 0: none
+        const std::vector<std::string> expired =
+            jobs_->Expire(options_.job_retention, options_.max_ended_jobs);  // 0: none
         if (!expired.empty()) {
-          COLOD_LOG(INFO) << expired.size() << " jobs that ended over "
-                          << absl::FormatDuration(options_.job_retention) << " ago deleted (" << expired.front()
+          COLOD_LOG(INFO) << expired.size() << " ended jobs deleted, past --job-retention "
+                          << absl::FormatDuration(options_.job_retention) << " or the oldest past --max-ended-jobs "
+                          << options_.max_ended_jobs << " (" << expired.front()
                           << (expired.size() > 1 ? absl::StrCat(" ... ", expired.back()) : "") << ")";
         }
       }

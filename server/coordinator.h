@@ -89,6 +89,9 @@ class Coordinator {
     // Ended jobs older than this are deleted (JobManager::Expire), checked
     // about once a minute; zero keeps them all.
     absl::Duration job_retention = absl::Hours(7 * 24);
+    // And past this many ended jobs the oldest ended are deleted too, in
+    // the same sweep; zero keeps however many.
+    int64_t max_ended_jobs = JobManager::kDefaultMaxEndedJobs;
     // Jobs not ended at once (JobManager::SetMaxActiveJobs); >= 1.
     int64_t max_active_jobs = JobManager::kDefaultMaxActiveJobs;
     // WatchJob streams at once (each holds a server thread); more are

@@ -1504,6 +1504,12 @@ TEST(CoordinatorStart, RefusesASharedDataDirAndBadOptions) {
   const absl::Status rpc = Coordinator::Start(bad_rpc).status();
   EXPECT_EQ(rpc.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(rpc.message().find("--worker-rpc-timeout"), absl::string_view::npos) << rpc;
+  Coordinator::Options bad_ended;
+  bad_ended.data_dir = testing::TempPath("bad_ended");
+  bad_ended.max_ended_jobs = -1;
+  const absl::Status ended = Coordinator::Start(bad_ended).status();
+  EXPECT_EQ(ended.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(ended.message().find("--max-ended-jobs"), absl::string_view::npos) << ended;
 
   // --data-dir-reserve: the file, held (the gauge says so), and removed by
   // a start that keeps none.

@@ -1119,15 +1119,28 @@ absl::Status JobManager::Delete(absl::string_view job_id) {
   return absl::OkStatus();
 }
 
-std::vector<std::string> JobManager::Expire(absl::Duration retention) {
+std::vector<std::string> JobManager::Expire(absl::Duration retention, int64_t max_ended) {
   std::vector<std::string> expired;
-  if (retention <= absl::ZeroDuration()) return expired;
+  if (retention <= absl::ZeroDuration() && max_ended <= 0) return expired;
   int64_t next_id = 0;
   {
     absl::MutexLock lock(&mu_);
-    const absl::Time cutoff = clock_->Now() - retention;
+    const absl::Time cutoff = retention > absl::ZeroDuration() ? clock_->Now() - retention : absl::InfinitePast();
+    std::vector<std::pair<absl::Time, std::string>> kept;  // ended, within the retention
     for (const auto& [id, e] : jobs_) {
-      if (IsFinal(e.job.state()) && FromProtoTimestamp(e.job.update_time()) < cutoff) expired.push_back(id);
+      if (!IsFinal(e.job.state())) continue;
+      const absl::Time updated = FromProtoTimestamp(e.job.update_time());
+      if (updated < cutoff) {
+        expired.push_back(id);
+      } else {
+        kept.emplace_back(updated, id);
+      }
+    }
+    if (max_ended > 0 && static_cast<int64_t>(kept.size()) > max_ended) {
+      const size_t over = kept.size() - static_cast<size_t>(max_ended);
+      // The oldest first; of equal times the lower id (jobs_'s order).
+      std::stable_sort(kept.begin(), kept.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+      for (size_t i = 0; i < over; ++i) expired.push_back(kept[i].second);
     }
     for (const std::string& id : expired) DeleteLocked(id);
     next_id = next_id_;

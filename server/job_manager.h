@@ -116,8 +116,13 @@ class JobManager {
   // (cancel it first), NOT_FOUND if unknown. Watchers get NOT_FOUND.
   absl::Status Delete(absl::string_view job_id);
   // Deletes the jobs that ended more than `retention` ago (by their last
-  // update); returns their ids. Zero or less keeps every job.
-  std::vector<std::string> Expire(absl::Duration retention);
+  // update), and past `max_ended` ended jobs the oldest ended (by their last
+  // update, then id) until that many are left; returns their ids. A
+  // retention of zero or less keeps them however old, a max_ended of zero
+  // or less however many.
+  std::vector<std::string> Expire(absl::Duration retention, int64_t max_ended = 0);
+  // The default of the coordinator's --max-ended-jobs.
+  static constexpr int64_t kDefaultMaxEndedJobs = 10000;
 
   struct Events {
     std::vector<v1::JobEvent> events;

@@ -681,6 +681,42 @@ TEST(JobManager, AJobOfSevenDigitsComesAfterThoseOfSix) {
   }
 }
 
+// Past max_ended ended jobs the oldest ended go (their records too), however
+// recent: a coordinator running many short jobs keeps bounded memory. Jobs
+// not ended are never counted or deleted; retention still applies first.
+TEST(JobManager, PastTheMostEndedJobsTheOldestEndedGo) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-max-ended";
+  std::filesystem::remove_all(dir);
+  FakeClock clock;
+  auto jobs = JobManager::Open(dir, &clock);
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  std::vector<std::string> ids;
+  for (int i = 0; i < 6; ++i) {
+    auto job = (*jobs)->Submit(TrainSpec(), "");
+    ASSERT_TRUE(job.ok()) << job.status();
+    ids.push_back(job->job_id());
+  }
+  // Ended in the order 3, 1, 0, 4, a minute apart; 2 and 5 still queued.
+  for (int i : {3, 1, 0, 4}) {
+    ASSERT_TRUE((*jobs)->Cancel(ids[i], "").ok());
+    clock.Advance(absl::Minutes(1));
+  }
+  EXPECT_TRUE((*jobs)->Expire(absl::ZeroDuration(), 0).empty());  // keeps everything
+  EXPECT_TRUE((*jobs)->Expire(absl::Hours(1), 4).empty());        // 4 ended, within both
+  EXPECT_EQ((*jobs)->Expire(absl::ZeroDuration(), 2), (std::vector<std::string>{ids[3], ids[1]}));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/" + ids[3] + ".pb"));
+  EXPECT_TRUE(std::filesystem::exists(dir + "/" + ids[0] + ".pb"));
+  std::vector<std::string> left;
+  for (const v1::Job& j : (*jobs)->List({})) left.push_back(j.job_id());
+  EXPECT_EQ(left, (std::vector<std::string>{ids[0], ids[2], ids[4], ids[5]}));
+  // The retention alone: 0 ended 2 minutes ago, past 90 s; then one ended
+  // job is within a bound of one.
+  EXPECT_EQ((*jobs)->Expire(absl::Seconds(90), 0), std::vector<std::string>{ids[0]});
+  EXPECT_TRUE((*jobs)->Expire(absl::ZeroDuration(), 1).empty());
+  EXPECT_TRUE((*jobs)->Get(ids[4]).ok());
+  EXPECT_TRUE((*jobs)->Get(ids[2]).ok());
+}
+
 // A job whose record cannot be written (a full disk) is refused
 // RESOURCE_EXHAUSTED and leaves nothing: not listed, its request id free,
 // not there after a reopen. Accepted jobs are durable.

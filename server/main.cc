@@ -45,6 +45,10 @@ ABSL_FLAG(absl::Duration, worker_rpc_timeout, absl::Seconds(10),
 ABSL_FLAG(absl::Duration, job_retention, absl::Hours(7 * 24),
           "Jobs that ended longer ago than this are forgotten: their records, events and request ids "
           "(coloctl delete JOB does it at once). 0 keeps every job.");
+ABSL_FLAG(int64_t, max_ended_jobs, colod::JobManager::kDefaultMaxEndedJobs,
+          "Ended jobs kept at most: past it the oldest ended are forgotten (as after --job-retention), checked "
+          "about once a minute, so that a coordinator that runs many short jobs keeps bounded memory. 0 keeps "
+          "however many.");
 ABSL_FLAG(int64_t, max_active_jobs, colod::JobManager::kDefaultMaxActiveJobs,
           "Jobs not ended (queued, placed, running, restarting) at once; a submit past it is refused "
           "RESOURCE_EXHAUSTED (every queued job is looked at on each scheduling pass).");
@@ -131,6 +135,7 @@ int main(int argc, char** argv) {
   options.stop_grace = absl::GetFlag(FLAGS_stop_grace);
   options.worker_rpc_timeout = absl::GetFlag(FLAGS_worker_rpc_timeout);
   options.job_retention = absl::GetFlag(FLAGS_job_retention);
+  options.max_ended_jobs = absl::GetFlag(FLAGS_max_ended_jobs);
   options.max_active_jobs = absl::GetFlag(FLAGS_max_active_jobs);
   options.max_watch_streams = absl::GetFlag(FLAGS_max_watch_streams);
   options.max_uploads = absl::GetFlag(FLAGS_max_uploads);
