@@ -10,51 +10,58 @@
 namespace colod {
 
 CoordinatorStore::CoordinatorStore(std::shared_ptr<v1::CoordinatorService::StubInterface> stub, std::string scope,
-                                   absl::Duration rpc_timeout, AuthToken auth_token, std::string worker_key)
+                                   absl::Duration rpc_timeout, AuthToken auth_token, std::string worker_key,
+                                   std::shared_ptr<AbortSignal> abort)
     : stub_(std::move(stub)),
       scope_(std::move(scope)),
       rpc_timeout_(rpc_timeout),
       auth_token_(std::move(auth_token)),
-      worker_key_(std::move(worker_key)) {}
+      worker_key_(std::move(worker_key)),
+      abort_(std::move(abort)) {}
 
-absl::Status CoordinatorStore::Set(absl::string_view key, std::string value) {
+absl::Status CoordinatorStore::Call(absl::Time deadline,
+                                    const std::function<grpc::Status(grpc::ClientContext*)>& call) {
   grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + rpc_timeout_));
+  ctx.set_deadline(absl::ToChronoTime(deadline));
   AddAuthToken(ctx, auth_token_);
   AddWorkerKey(ctx, worker_key_);
+  // (Runs at once where the abort fired already: the call fails CANCELLED.)
+  std::unique_ptr<AbortSignal::Registration> cancel =
+      abort_ != nullptr ? abort_->OnAbort([&ctx] { ctx.TryCancel(); }) : nullptr;
+  const absl::Status s = FromGrpcStatus(call(&ctx));
+  cancel.reset();  // before ctx goes
+  if (!s.ok() && abort_ != nullptr && abort_->fired()) return abort_->Check();
+  return s;
+}
+
+absl::Status CoordinatorStore::Set(absl::string_view key, std::string value) {
   v1::KvSetRequest req;
   req.set_scope(scope_);
   req.set_key(std::string(key));
   req.set_value(std::move(value));
   v1::KvSetResponse resp;
-  return FromGrpcStatus(stub_->KvSet(&ctx, req, &resp));
+  return Call(absl::Now() + rpc_timeout_, [&](grpc::ClientContext* ctx) { return stub_->KvSet(ctx, req, &resp); });
 }
 
 absl::StatusOr<std::string> CoordinatorStore::Get(absl::string_view key) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + rpc_timeout_));
-  AddAuthToken(ctx, auth_token_);
-  AddWorkerKey(ctx, worker_key_);
   v1::KvGetRequest req;
   req.set_scope(scope_);
   req.set_key(std::string(key));
   v1::KvGetResponse resp;
-  RETURN_IF_ERROR(FromGrpcStatus(stub_->KvGet(&ctx, req, &resp)));
+  RETURN_IF_ERROR(
+      Call(absl::Now() + rpc_timeout_, [&](grpc::ClientContext* ctx) { return stub_->KvGet(ctx, req, &resp); }));
   return std::move(*resp.mutable_value());
 }
 
 absl::StatusOr<std::vector<std::string>> CoordinatorStore::Wait(const std::vector<std::string>& keys,
                                                                 absl::Duration timeout) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout + rpc_timeout_));
-  AddAuthToken(ctx, auth_token_);
-  AddWorkerKey(ctx, worker_key_);
   v1::KvWaitRequest req;
   req.set_scope(scope_);
   for (const std::string& k : keys) req.add_keys(k);
   *req.mutable_timeout() = ToProtoDuration(timeout);
   v1::KvWaitResponse resp;
-  RETURN_IF_ERROR(FromGrpcStatus(stub_->KvWait(&ctx, req, &resp)));
+  RETURN_IF_ERROR(Call(absl::Now() + timeout + rpc_timeout_,
+                       [&](grpc::ClientContext* ctx) { return stub_->KvWait(ctx, req, &resp); }));
   if (static_cast<size_t>(resp.values_size()) != keys.size()) {
     return absl::DataLossError(absl::StrCat("the coordinator answered a wait for ", keys.size(), " keys with ",
                                             resp.values_size(), " values"));

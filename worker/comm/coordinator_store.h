@@ -3,11 +3,13 @@
 #ifndef COLOD_WORKER_COMM_COORDINATOR_STORE_H_
 #define COLOD_WORKER_COMM_COORDINATOR_STORE_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 
 #include "colod/v1/coordinator.grpc.pb.h"
 #include "common/auth.h"
+#include "worker/comm/abort_signal.h"
 #include "worker/comm/store.h"
 
 namespace colod {
@@ -21,9 +23,13 @@ class CoordinatorStore final : public Store {
   // `auth_token` (if not empty) is sent as the bearer token of every call,
   // `worker_key` (if not empty) as the worker's key (common/auth.h): the
   // coordinator takes a placed job's scope only from its workers.
+  // `abort` (if set: the rank's, ProcessGroup::Abort fires it) cancels the
+  // calls in flight when it fires, and fails later ones at once, with its
+  // reason: a rank aborted in its rendezvous (a worker shutting down, a
+  // peer's failure) need not wait out the coordinator's answer.
   CoordinatorStore(std::shared_ptr<v1::CoordinatorService::StubInterface> stub, std::string scope,
                    absl::Duration rpc_timeout = absl::Seconds(10), AuthToken auth_token = {},
-                   std::string worker_key = "");
+                   std::string worker_key = "", std::shared_ptr<AbortSignal> abort = nullptr);
 
   absl::Status Set(absl::string_view key, std::string value) override;
   absl::StatusOr<std::string> Get(absl::string_view key) override;
@@ -31,11 +37,16 @@ class CoordinatorStore final : public Store {
                                                 absl::Duration timeout) override;
 
  private:
+  // `call` on a context with `deadline`, the token and key, cancelled if
+  // the abort fires; the abort's reason where it fired.
+  absl::Status Call(absl::Time deadline, const std::function<grpc::Status(grpc::ClientContext*)>& call);
+
   const std::shared_ptr<v1::CoordinatorService::StubInterface> stub_;
   const std::string scope_;
   const absl::Duration rpc_timeout_;
   const AuthToken auth_token_;
   const std::string worker_key_;
+  const std::shared_ptr<AbortSignal> abort_;
 };
 
 }  // namespace colod

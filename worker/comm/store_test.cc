@@ -124,6 +124,44 @@ TYPED_TEST(StoreContract, AMissingRankIsDeadlineExceededWithinTheTimeout) {
   EXPECT_LT(took, timeout + absl::Seconds(1));
 }
 
+// A rank aborted in its rendezvous (its worker shuts down, a peer failed)
+// does not wait out the coordinator's answer: the abort cancels the wait in
+// flight, and a call after it fails at once, both with the abort's reason.
+TEST(CoordinatorStore, AnAbortEndsAWaitInFlightAtOnce) {
+  Coordinator::Options o;
+  o.data_dir = testing::TempPath("coord_abort");
+  o.store_any_scope = true;
+  auto coordinator = Coordinator::Start(o);
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status();
+  std::shared_ptr<v1::CoordinatorService::StubInterface> stub = v1::CoordinatorService::NewStub(
+      grpc::CreateChannel((*coordinator)->address(), grpc::InsecureChannelCredentials()));
+  auto abort = std::make_shared<AbortSignal>();
+  CoordinatorStore store(stub, "job-1/gen-1", absl::Seconds(10), {}, "", abort);
+  ASSERT_TRUE(store.Set("k", "v").ok());  // calls work until the abort
+  absl::StatusOr<std::vector<std::string>> waited;
+  absl::Time ended;
+  std::thread waiter([&] {
+    waited = store.Wait({"never"}, absl::Seconds(60));
+    ended = absl::Now();
+  });
+  absl::SleepFor(absl::Milliseconds(200));
+  const absl::Time fired = absl::Now();
+  abort->Abort(absl::AbortedError("rank 1 failed: connection closed"));
+  waiter.join();
+  EXPECT_EQ(waited.status().code(), absl::StatusCode::kAborted) << waited.status();
+  EXPECT_NE(waited.status().message().find("rank 1 failed"), std::string::npos) << waited.status();
+  EXPECT_LT(ended - fired, absl::Seconds(5));
+  const absl::Time before = absl::Now();
+  EXPECT_EQ(store.Get("k").status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(store.Wait({"k"}, absl::Seconds(60)).status().code(), absl::StatusCode::kAborted);
+  EXPECT_LT(absl::Now() - before, absl::Seconds(5));
+  // Another store of the scope without that signal still reads it.
+  CoordinatorStore other(stub, "job-1/gen-1");
+  auto got = other.Get("k");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "v");
+}
+
 TEST(FileStore, RefusesAnUncreatableDirectory) {
   EXPECT_EQ(FileStore::Open("/proc/colod-cannot-create").status().code(),
             absl::StatusCode::kFailedPrecondition);

@@ -517,7 +517,7 @@ absl::Status JobRunner::RunRank(Active& active) {
     return NoLongerRuns(reporter);
   }
   active.store = std::make_unique<CoordinatorStore>(options_.coordinator, req.rendezvous_scope(), options_.rpc_timeout,
-                                                    options_.auth_token, options_.worker_key);
+                                                    options_.auth_token, options_.worker_key, active.abort);
   // Outlives `pg` (Run ends it after this returns), so its observers outlive the communicators.
   WorkerMetrics::Rank* metrics = active.metrics.get();
   RankGroupOptions group;
