@@ -277,7 +277,7 @@ absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string&
       }
       resume_said = true;
     }
-    // Once a generation: a restart loads the model again.
+    // Once a watch (a restart loads the same files again).
     if (ev.has_rank_status() && ev.rank_status().rank() == 0 && ev.rank_status().phase() == v1::RANK_PHASE_TRAINING &&
         !unread_said) {
       const std::string& message = ev.rank_status().message();

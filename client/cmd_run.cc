@@ -24,6 +24,7 @@
 #include "common/flags.h"
 #include "common/json.h"
 #include "common/model_layout.h"
+#include "common/text.h"
 #include "nlohmann/json.hpp"
 #include "spec/job_validation.h"
 #include "worker/shardformer/checkpoint.h"
@@ -136,10 +137,18 @@ int RunTrainOnGpus(const std::vector<std::string>&) {
   const train::TrainOptions& o = *options;
   const bool json = JsonOutput();
   std::string checkpoint;  // the newest one the run saved
-  const absl::Status s = train::Train(o, [&](const train::StepStats& st) {
-    if (!st.checkpoint.empty()) checkpoint = st.checkpoint;
-    PrintStep(train::StepProgressOf(st), o.steps, json);
-  });
+  const absl::Status s = train::Train(
+      o,
+      [&](const train::StepStats& st) {
+        if (!st.checkpoint.empty()) checkpoint = st.checkpoint;
+        PrintStep(train::StepProgressOf(st), o.steps, json);
+      },
+      [](const train::RankStart& start) {
+        if (start.unread_tensors.empty()) return;
+        std::fprintf(
+            stderr, "coloctl: warning: %s\n",
+            UnreadTensorsNote(static_cast<int64_t>(start.unread_tensors.size()), start.unread_tensors).c_str());
+      });
   if (!s.ok()) return Fail(s);
   if (!json) PrintRunEnd(o.final_dir, checkpoint, o.steps, o.stop_after);
   return 0;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -45,8 +46,11 @@ std::string UnreadTensorsNote(int64_t count, const std::vector<std::string>& nam
   constexpr size_t kNamed = 8;
   std::vector<std::string> named(names.begin(), names.begin() + std::min(names.size(), kNamed));
   const int64_t more = count - static_cast<int64_t>(named.size());
+  // (Names from a file's header, escaped: they may reach a terminal.)
+  for (std::string& n : named) n = absl::CHexEscape(n.size() > 256 ? n.substr(0, 256) : n);
   return absl::StrCat(kUnreadTensors, count,
-                      " (not this model's: does its config.json describe these weights, of as many layers?): ",
+                      " (not this model's: another model's head, or a config.json of fewer layers than the "
+                      "weights?): ",
                       absl::StrJoin(named, ", "), more > 0 ? absl::StrCat(" and ", more, " more") : "");
 }
 

@@ -20,12 +20,18 @@ inline constexpr size_t kMaxReportedMessageBytes = 16 << 10;
 // resume passed over as damaged (each "step-N: why", "; " between): coloctl
 // shows them where the worker's log is out of the user's sight.
 inline constexpr char kPassedOverDamaged[] = "passed over damaged checkpoints: ";
+// What a FORWARD job's result keeps of the tensors its model did not load
+// (ForwardResult.unread_tensors): the first this many names, each cut to
+// this many bytes; the coordinator holds a result to it too.
+inline constexpr size_t kMaxUnreadTensorsReported = 100;
+inline constexpr size_t kMaxUnreadTensorNameBytes = 256;
 // Before UnreadTensorsNote's count, in rank 0's TRAINING status message.
 inline constexpr char kUnreadTensors[] = "tensors of the model's files not loaded: ";
 
 // kUnreadTensors, `count` and why it matters, and the first of `names`
-// (at most 8, "and K more"): a model loaded whose files hold tensors that
-// are not its own (ShardedModel::unread_tensors).
+// (at most 8, "and K more"; each C-escaped and cut at 256 bytes): a model
+// loaded whose files hold tensors that are not its own
+// (ShardedModel::unread_tensors).
 std::string UnreadTensorsNote(int64_t count, const std::vector<std::string>& names);
 
 // `text` with each byte that does not belong to a well-formed UTF-8

@@ -7,6 +7,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -16,8 +17,8 @@
 #include "common/net.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
-#include "spec/job_validation.h"
 #include "server/rpc_metrics.h"
+#include "spec/job_validation.h"
 
 namespace colod {
 namespace {
@@ -286,6 +287,12 @@ grpc::Status CoordinatorServiceImpl::ListJobs(grpc::ServerContext* ctx, const v1
     if (req->page_size() < 0) return absl::InvalidArgumentError("page_size: must be >= 0");
     const int limit = req->page_size() == 0 ? kDefaultJobsPage : std::min(req->page_size(), kMaxJobsPage);
     ASSIGN_OR_RETURN(const std::string after, PageAfter(req->page_token(), "ListJobs"));
+    // A job's id (job-NNNNNN, six digits or more), as its tokens name: jobs
+    // are ordered by their ids' numbers, which another key has none of.
+    if (!after.empty() && (!absl::StartsWith(after, "job-") || after.size() < 10 ||
+                           !std::all_of(after.begin() + 4, after.end(), absl::ascii_isdigit))) {
+      return absl::InvalidArgumentError("page_token: not a token from ListJobs' next_page_token");
+    }
     const bool full = req->view() == v1::JOB_VIEW_FULL;
     JobManager::Page page = jobs_->ListPage(states, after, limit, [full](v1::Job& j) {
       if (full) return;
@@ -293,6 +300,7 @@ grpc::Status CoordinatorServiceImpl::ListJobs(grpc::ServerContext* ctx, const v1
       j.mutable_mesh()->clear_groups();
       j.mutable_mesh()->clear_ranks();
       j.clear_attempt_failures();
+      j.mutable_forward_result()->clear_unread_tensors();  // (their count stays)
     });
     for (v1::Job& j : page.jobs) *resp->add_jobs() = std::move(j);
     if (page.more) resp->set_next_page_token(absl::StrCat("after:", resp->jobs(resp->jobs_size() - 1).job_id()));

@@ -451,12 +451,14 @@ TEST_F(CoordinatorTest, ListJobsPagesSummariesAndNamesAreBounded) {
   auto all = client_->ListJobs();
   ASSERT_TRUE(all.ok()) << all.status();
   EXPECT_EQ(all->size(), 250u);
-  {
+  // Not a token (no "after:"), or one naming no job id (jobs go by their
+  // ids' numbers, which another key has none of).
+  for (const char* bad : {"job-000001", "after:x", "after:job-5", "after:job-00000a", "after:zzzzzzzzzzzz"}) {
     grpc::ClientContext ctx;
     v1::ListJobsRequest req;
-    req.set_page_token("job-000001");
+    req.set_page_token(bad);
     v1::ListJobsResponse resp;
-    EXPECT_EQ(client_->stub().ListJobs(&ctx, req, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(client_->stub().ListJobs(&ctx, req, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT) << bad;
   }
   // Values the enums do not have are refused, not taken as none (an empty
   // list) or as the summary.

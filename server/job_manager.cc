@@ -24,8 +24,9 @@
 #include "common/logging.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
+#include "common/text.h"
 #include "google/protobuf/io/coded_stream.h"
-#include "google/protobuf/util/message_differencer.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "google/protobuf/wire_format_lite.h"
 #include "spec/job_validation.h"
 #include "spec/model_config.h"
@@ -900,6 +901,14 @@ absl::StatusOr<bool> JobManager::AddStepLocked(Entry& e, const v1::StepProgress&
 absl::Status JobManager::SetForwardResult(absl::string_view job_id, const v1::ForwardResult& result) {
   return ChangeJob(job_id, [&](Entry& e) -> absl::StatusOr<bool> {
     *e.job.mutable_forward_result() = result;
+    // As a worker of this version sends it (an older or hostile one may
+    // not): a job's record stays small.
+    auto& names = *e.job.mutable_forward_result()->mutable_unread_tensors();
+    if (names.size() > static_cast<int>(kMaxUnreadTensorsReported)) {
+      const int kept = static_cast<int>(kMaxUnreadTensorsReported);
+      names.DeleteSubrange(kept, names.size() - kept);
+    }
+    for (std::string& n : names) n = Utf8Prefix(n, kMaxUnreadTensorNameBytes);
     return true;
   });
 }
@@ -947,10 +956,23 @@ namespace {
 
 // Whether two specs are one submission: the same, but for the upload that
 // carried the model (a retry may upload it again).
+// Deterministic bytes of `spec` (a NaN equals itself: a retry of a spec
+// with one is the same submission).
+std::string SpecBytes(const v1::JobSpec& spec) {
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream out(&bytes);
+    google::protobuf::io::CodedOutputStream coded(&out);
+    coded.SetSerializationDeterministic(true);
+    spec.SerializeToCodedStream(&coded);
+  }  // (the streams' ends trim `bytes`)
+  return bytes;
+}
+
 bool SameSubmission(v1::JobSpec a, v1::JobSpec b) {
   a.mutable_model()->clear_upload_id();
   b.mutable_model()->clear_upload_id();
-  return google::protobuf::util::MessageDifferencer::Equals(a, b);
+  return SpecBytes(a) == SpecBytes(b);
 }
 
 }  // namespace

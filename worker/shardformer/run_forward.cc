@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
+#include "common/text.h"
 #include "worker/colo/rank_group.h"
 #include "worker/colo/tensor_collectives.h"
 #include "worker/shardformer/shardformer.h"
@@ -152,8 +153,10 @@ absl::StatusOr<ForwardResult> ForwardRank(const ForwardRequest& request, Process
 }
 
 void SetUnreadTensors(const std::vector<std::string>& names, v1::ForwardResult& result) {
-  constexpr size_t kReported = 100;  // (ForwardResult.unread_tensors)
-  for (size_t i = 0; i < names.size() && i < kReported; ++i) result.add_unread_tensors(names[i]);
+  result.clear_unread_tensors();
+  for (size_t i = 0; i < names.size() && i < kMaxUnreadTensorsReported; ++i) {
+    result.add_unread_tensors(Utf8Prefix(names[i], kMaxUnreadTensorNameBytes));
+  }
   result.set_unread_tensor_count(static_cast<int64_t>(names.size()));
 }
 

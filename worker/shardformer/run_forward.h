@@ -88,7 +88,8 @@ Shape ForwardLogitsShape(const ForwardRequest& request, const ModelConfig& confi
 absl::StatusOr<ForwardResult> ForwardRank(const ForwardRequest& request, ProcessGroup& pg, const ShardConfig& shard);
 
 // Puts `names` (ForwardResult::unread_tensors) into `result`: the first
-// 100 by name, and their count.
+// kMaxUnreadTensorsReported by name, each cut to kMaxUnreadTensorNameBytes
+// (common/text.h), and their count.
 void SetUnreadTensors(const std::vector<std::string>& names, v1::ForwardResult& result);
 
 }  // namespace colod::shardformer

@@ -498,11 +498,20 @@ namespace {
 
 // Tensors a Hugging Face checkpoint may hold that no model reads: buffers
 // (the causal mask of GPT-2's files, the rotary frequencies of older LLaMA
-// ones, position ids) and the copies of a tied embedding.
+// ones, position ids), the copies of a tied embedding, and what Hugging
+// Face's own classes of these models ignore too (its
+// _keys_to_ignore_on_load_unexpected): a pooler (bert-base-uncased's files
+// are BertForPreTraining's, with its next-sentence head), and the relative
+// attention bias T5 v1.0's files carry on the decoder's cross-attention.
 bool ReadByNoModel(absl::string_view name, const ModelConfig& config) {
   for (absl::string_view buffer : {".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq", "position_ids"}) {
     if (absl::EndsWith(name, buffer)) return true;
   }
+  if (absl::StartsWith(name, "pooler.") || absl::StrContains(name, ".pooler.") ||
+      absl::StartsWith(name, "cls.seq_relationship.")) {
+    return true;
+  }
+  if (config.is_encoder_decoder() && absl::StrContains(name, "EncDecAttention.relative_attention_bias")) return true;
   if (name == "lm_head.weight") return config.tie_word_embeddings;
   // BERT's MLM decoder: its weight is the word embedding's, its bias
   // cls.predictions.bias (older files store both).

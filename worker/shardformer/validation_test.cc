@@ -197,6 +197,22 @@ TEST(Validation, TensorsNoParameterTookAreNamed) {
     t["cls.predictions.decoder.bias"] = t.at("cls.predictions.bias");
   });
   EXPECT_EQ(UnreadAsRank0(bert.dir), std::vector<std::string>{});
+  // bert-base-uncased's files are BertForPreTraining's: a pooler and the
+  // next-sentence head, which Hugging Face's BertForMaskedLM ignores too.
+  EditTensors(bert, [](auto& t) {
+    t["bert.pooler.dense.weight"] = *Tensor::Zeros({64, 64}, DType::kF32);
+    t["bert.pooler.dense.bias"] = *Tensor::Zeros({64}, DType::kF32);
+    t["cls.seq_relationship.weight"] = *Tensor::Zeros({2, 64}, DType::kF32);
+    t["cls.seq_relationship.bias"] = *Tensor::Zeros({2}, DType::kF32);
+  });
+  EXPECT_EQ(UnreadAsRank0(bert.dir), std::vector<std::string>{});
+  // T5 v1.0's files carry a relative bias on the decoder's cross-attention,
+  // which no T5 uses.
+  const testing::TinyModel& t5 = *families[7].second;
+  EditTensors(t5, [](auto& t) {
+    t["decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight"] = *Tensor::Zeros({8, 4}, DType::kF32);
+  });
+  EXPECT_EQ(UnreadAsRank0(t5.dir), std::vector<std::string>{});
   // A config.json of one layer on weights of two: the second's tensors,
   // and one of another model's head.
   EditTensors(gpt2, [](auto& t) { t["score.weight"] = *Tensor::Zeros({2, 64}, DType::kF32); });

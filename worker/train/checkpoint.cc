@@ -81,8 +81,8 @@ absl::Status CheckpointWriter::Check() const {
 std::vector<std::string> ContinuedLineage(const std::vector<std::string>& lineage, const std::string& resumed,
                                           const std::string& job) {
   std::vector<std::string> out;
-  const auto add = [&](const std::string& w) {
-    if (w != job && std::find(out.begin(), out.end(), w) == out.end()) out.push_back(w);
+  const auto add = [&](const std::string& w) {  // (a name no writer can have: none)
+    if (w != job && ValidJobName(w) && std::find(out.begin(), out.end(), w) == out.end()) out.push_back(w);
   };
   for (const std::string& w : lineage) add(w);
   add(resumed);

@@ -90,7 +90,9 @@ inline constexpr size_t kMaxCheckpointLineage = 64;
 
 // The lineage of a run resumed from `resumed` (a checkpoint's writer job and
 // lineage) whose own job is `job`: `lineage`, then `resumed` where it is
-// not already there, less `job`, the newest kMaxCheckpointLineage.
+// not already there, less `job` and any name no writer can have, the
+// newest kMaxCheckpointLineage. (The trainer passes the checkpoint's
+// lineage only where the run saves into the directory it resumed from.)
 std::vector<std::string> ContinuedLineage(const std::vector<std::string>& lineage, const std::string& resumed,
                                           const std::string& job);
 

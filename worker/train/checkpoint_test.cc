@@ -250,6 +250,24 @@ TEST(Retention, AChainOfResumesPrunesWhatEveryEarlierRunWrote) {
     if (!writers.empty()) EXPECT_EQ(state->lineage.back(), writers.back());
     writers.push_back(state->job);
   }
+  // Saving elsewhere carries only the run resumed from (its own are its
+  // history's there), and so does coming back: a run that resumes from the
+  // other directory and saves here prunes none of the chain's.
+  const std::string chain = o.save_dir;
+  o.save_dir = TempPath("retention_chain_elsewhere");
+  o.steps = 6;
+  ASSERT_EQ(testing::Losses(o).size(), 1u);
+  auto elsewhere = ReadTrainState(StepDir(o.save_dir, 6));
+  ASSERT_TRUE(elsewhere.ok()) << elsewhere.status();
+  EXPECT_EQ(elsewhere->lineage, std::vector<std::string>{writers.back()});
+  o.resume_dir = o.save_dir;
+  o.save_dir = chain;
+  o.steps = 7;
+  o.keep_last = 1;
+  ASSERT_EQ(testing::Losses(o).size(), 1u);
+  EXPECT_EQ(Entries(chain), (std::set<std::string>{"step-000004", "step-000005", "step-000007"}));
+  o.keep_last = 2;
+  o.save_dir = chain;
   // Resuming the checkpoint named (not the directory) continues no lineage:
   // the run it came from may have newer ones here.
   o.resume_dir = StepDir(o.save_dir, 4);

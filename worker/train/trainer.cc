@@ -295,6 +295,17 @@ struct PreparedTrain {
 
 namespace {
 
+// Whether `a` and `b` name one directory (both made absolute and normal;
+// links resolved where they exist).
+bool SameDirectory(const std::string& a, const std::string& b) {
+  if (a.empty() || b.empty()) return false;
+  std::error_code ea, eb;
+  const std::filesystem::path x = std::filesystem::weakly_canonical(std::filesystem::absolute(a, ea), ea);
+  const std::filesystem::path y = std::filesystem::weakly_canonical(std::filesystem::absolute(b, eb), eb);
+  if (ea || eb) return std::filesystem::path(a).lexically_normal() == std::filesystem::path(b).lexically_normal();
+  return x == y;
+}
+
 // A run's final_dir holds no model, or the one this job wrote (a restart
 // after the write: kFinalWriterFile names the job), and can be written:
 // FAILED_PRECONDITION otherwise, before the first step rather than after
@@ -465,7 +476,15 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
     // continues as its own (retention). (Not where the user named one
     // checkpoint: the run it came from may have newer ones there, which are
     // not this run's to prune.)
-    if (!run->resumed_named) run->writer.lineage = ContinuedLineage(state.lineage, state.job, run->writer.job);
+    // The chain it continues only where it saves into the directory it
+    // resumed from; elsewhere the run it resumed from alone (as before
+    // lineages: that run's checkpoints in another directory are its
+    // history's, not this link's to prune).
+    if (!run->resumed_named) {
+      run->writer.lineage =
+          ContinuedLineage(SameDirectory(o.resume_dir, o.save_dir) ? state.lineage : std::vector<std::string>{},
+                           state.job, run->writer.job);
+    }
     run->resumed_step = state.step;
   }
   const int64_t rows = o.batch_size / dp;
@@ -1121,16 +1140,21 @@ absl::Status RunTrainRank(const PreparedTrain& run, int rank, ProcessGroup& pg, 
                                      s.message()));  // still marked (MarkDrained)
 }
 
-absl::Status Train(const TrainOptions& o, const std::function<void(const StepStats&)>& on_step) {
+absl::Status Train(const TrainOptions& o, const std::function<void(const StepStats&)>& on_step,
+                   const std::function<void(const RankStart&)>& on_start) {
   ASSIGN_OR_RETURN(std::shared_ptr<const PreparedTrain> run, PrepareTrain(o));
   RankHooks hooks;
   hooks.on_step = [&](const StepStats& s) {
     if (s.rank == 0 && on_step) on_step(s);
   };
-  return shardformer::RunOnLocalRanks(o.shard, o.cuda, [&](int rank, ProcessGroup& pg,
-                                                           const shardformer::ShardConfig& shard) {
-    return RunTrainRank(*run, rank, pg, shard, hooks);
-  }, o.comm_timeout);
+  return shardformer::RunOnLocalRanks(
+      o.shard, o.cuda,
+      [&](int rank, ProcessGroup& pg, const shardformer::ShardConfig& shard) {
+        RankHooks mine = hooks;
+        if (rank == 0 && on_start) mine.on_start = on_start;
+        return RunTrainRank(*run, rank, pg, shard, mine);
+      },
+      o.comm_timeout);
 }
 
 }  // namespace colod::train

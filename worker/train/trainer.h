@@ -191,7 +191,10 @@ struct StepStats {
 // A run that diverges ends with FAILED_PRECONDITION at the first step whose
 // loss or gradient norm (or whose evaluation's loss) is not finite, naming
 // it and its values: that step is not reported, evaluated or saved.
-absl::Status Train(const TrainOptions& options, const std::function<void(const StepStats&)>& on_step);
+// `on_start` (if set) gets rank 0's RankStart once its model is loaded.
+struct RankStart;
+absl::Status Train(const TrainOptions& options, const std::function<void(const StepStats&)>& on_step,
+                   const std::function<void(const RankStart&)>& on_start = nullptr);
 
 // A run validated and opened once (options, model config, corpus, sampler,
 // resume point), shared read-only by the ranks of one process. Train() is
