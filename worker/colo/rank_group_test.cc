@@ -115,10 +115,12 @@ TEST(RunLocalRanks, AFailingRankStopsTheOthersLongBeforeTheTimeout) {
 // Rank 0 fails first with a failure that follows a peer's (a save another
 // rank could not write its part of: it aborts nobody); rank 1, whose own
 // error it is, reports it after, and its abort ends ranks 2 and 3 in their
-// collectives. The run's error is rank 1's, with its marks.
+// collectives. The run's error is rank 1's, with its marks. (Of ranks 2
+// and 3, the one aborted first ends ABORTED; the other may end first on the
+// connection its aborted peer closed, an error Gloo words as its own.)
 TEST(RunLocalRanks, ARanksOwnFailureIsTheRunsThoughAPeersConsequenceCameFirst) {
   std::atomic<bool> rank0_ended{false};
-  std::atomic<int> aborted{0};
+  std::atomic<int> aborted{0}, ended{0};
   const absl::Status s = RunLocalRanks(TpDpMesh(2, 2), [&](int rank, ProcessGroup& pg) -> absl::Status {
     switch (rank) {
       case 0:
@@ -133,6 +135,7 @@ TEST(RunLocalRanks, ARanksOwnFailureIsTheRunsThoughAPeersConsequenceCameFirst) {
         for (int i = 0; i < 100000; ++i) {
           const absl::Status c = CheckSum(pg, "tp", Device::Cpu());
           if (!c.ok()) {
+            ++ended;
             if (c.code() == absl::StatusCode::kAborted) ++aborted;
             return c;
           }
@@ -140,7 +143,8 @@ TEST(RunLocalRanks, ARanksOwnFailureIsTheRunsThoughAPeersConsequenceCameFirst) {
         return absl::OkStatus();
     }
   });
-  EXPECT_EQ(aborted.load(), 2) << "ranks 2 and 3 were not aborted";
+  EXPECT_EQ(ended.load(), 2) << "ranks 2 and 3 did not end in their collectives";
+  EXPECT_GE(aborted.load(), 1) << "neither of ranks 2 and 3 was aborted";
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
   EXPECT_EQ(s.message(), "rank 1: cannot write optim-1.safetensors: no space left");
   EXPECT_TRUE(IsWorkerFault(s)) << "the rank's marks are kept";
