@@ -145,9 +145,7 @@ int RunTrainOnGpus(const std::vector<std::string>&) {
       },
       [](const train::RankStart& start) {
         if (start.unread_tensors.empty()) return;
-        std::fprintf(
-            stderr, "coloctl: warning: %s\n",
-            UnreadTensorsNote(static_cast<int64_t>(start.unread_tensors.size()), start.unread_tensors).c_str());
+        std::fprintf(stderr, "coloctl: warning: %s\n", UnreadTensorsNote(start.unread_tensors).c_str());
       });
   if (!s.ok()) return Fail(s);
   if (!json) PrintRunEnd(o.final_dir, checkpoint, o.steps, o.stop_after);

@@ -47,7 +47,7 @@ std::string UnreadTensorsNote(int64_t count, const std::vector<std::string>& nam
   std::vector<std::string> named(names.begin(), names.begin() + std::min(names.size(), kNamed));
   const int64_t more = count - static_cast<int64_t>(named.size());
   // (Names from a file's header, escaped: they may reach a terminal.)
-  for (std::string& n : named) n = absl::CHexEscape(n.size() > 256 ? n.substr(0, 256) : n);
+  for (std::string& n : named) n = absl::CHexEscape(n.substr(0, kMaxUnreadTensorNameBytes));
   return absl::StrCat(kUnreadTensors, count,
                       " (not this model's: another model's head, or a config.json of fewer layers than the "
                       "weights?): ",

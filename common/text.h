@@ -29,10 +29,14 @@ inline constexpr size_t kMaxUnreadTensorNameBytes = 256;
 inline constexpr char kUnreadTensors[] = "tensors of the model's files not loaded: ";
 
 // kUnreadTensors, `count` and why it matters, and the first of `names`
-// (at most 8, "and K more"; each C-escaped and cut at 256 bytes): a model
-// loaded whose files hold tensors that are not its own
-// (ShardedModel::unread_tensors).
+// (at most 8, "and K more"; each C-escaped and cut at
+// kMaxUnreadTensorNameBytes): a model loaded whose files hold tensors that
+// are not its own (ShardedModel::unread_tensors). Without `count`: all of
+// `names`.
 std::string UnreadTensorsNote(int64_t count, const std::vector<std::string>& names);
+inline std::string UnreadTensorsNote(const std::vector<std::string>& names) {
+  return UnreadTensorsNote(static_cast<int64_t>(names.size()), names);
+}
 
 // `text` with each byte that does not belong to a well-formed UTF-8
 // sequence (a stray continuation byte, a truncated or overlong sequence, a

@@ -24,7 +24,6 @@
 #include "common/logging.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
-#include "common/text.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "google/protobuf/wire_format_lite.h"
@@ -903,12 +902,7 @@ absl::Status JobManager::SetForwardResult(absl::string_view job_id, const v1::Fo
     *e.job.mutable_forward_result() = result;
     // As a worker of this version sends it (an older or hostile one may
     // not): a job's record stays small.
-    auto& names = *e.job.mutable_forward_result()->mutable_unread_tensors();
-    if (names.size() > static_cast<int>(kMaxUnreadTensorsReported)) {
-      const int kept = static_cast<int>(kMaxUnreadTensorsReported);
-      names.DeleteSubrange(kept, names.size() - kept);
-    }
-    for (std::string& n : names) n = Utf8Prefix(n, kMaxUnreadTensorNameBytes);
+    BoundUnreadTensors(*e.job.mutable_forward_result());
     return true;
   });
 }

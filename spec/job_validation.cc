@@ -15,6 +15,7 @@
 #include "common/limits.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
+#include "common/text.h"
 #include "nlohmann/json.hpp"
 #include "spec/model_config.h"
 
@@ -537,6 +538,13 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
       return Invalid("spec", "kind", "required: TRAIN, FORWARD or TENSOR");
   }
   return absl::OkStatus();
+}
+
+void BoundUnreadTensors(v1::ForwardResult& result) {
+  auto& names = *result.mutable_unread_tensors();
+  const int kept = static_cast<int>(kMaxUnreadTensorsReported);
+  if (names.size() > kept) names.DeleteSubrange(kept, names.size() - kept);
+  for (std::string& n : names) n = Utf8Prefix(n, kMaxUnreadTensorNameBytes);
 }
 
 }  // namespace colod

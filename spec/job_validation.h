@@ -83,6 +83,12 @@ absl::Status CheckMemoryFits(const v1::MemoryFloor& floor, const std::vector<v1:
 // mesh builder). Field paths are prefixed with `path`.
 absl::Status ValidateShardConfig(const v1::ShardConfig& shard, absl::string_view path);
 
+// Holds `result`'s unread tensor names to what a job keeps of them: the
+// first kMaxUnreadTensorsReported, each cut to kMaxUnreadTensorNameBytes
+// (common/text.h); their count stays. The worker that sends a result and
+// the coordinator that records it both apply it.
+void BoundUnreadTensors(v1::ForwardResult& result);
+
 }  // namespace colod
 
 #endif  // COLOD_SPEC_JOB_VALIDATION_H_

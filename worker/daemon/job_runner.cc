@@ -554,8 +554,7 @@ absl::Status JobRunner::RunRank(Active& active) {
       absl::StrAppend(&message, "; ", kPassedOverDamaged, absl::StrJoin(start.skipped, "; "));
     }
     if (!start.unread_tensors.empty()) {  // last: coloctl prints it to the message's end
-      absl::StrAppend(&message, message.empty() ? "" : "; ",
-                      UnreadTensorsNote(static_cast<int64_t>(start.unread_tensors.size()), start.unread_tensors));
+      absl::StrAppend(&message, message.empty() ? "" : "; ", UnreadTensorsNote(start.unread_tensors));
     }
     if (reporter.Phase(v1::RANK_PHASE_TRAINING, message, start.step, start.checkpoint)) active.stop = true;
     // Its step's report may have died with the worker that wrote it (no

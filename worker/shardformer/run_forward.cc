@@ -4,6 +4,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
 #include "common/text.h"
+#include "spec/job_validation.h"
 #include "worker/colo/rank_group.h"
 #include "worker/colo/tensor_collectives.h"
 #include "worker/shardformer/shardformer.h"
@@ -154,10 +155,9 @@ absl::StatusOr<ForwardResult> ForwardRank(const ForwardRequest& request, Process
 
 void SetUnreadTensors(const std::vector<std::string>& names, v1::ForwardResult& result) {
   result.clear_unread_tensors();
-  for (size_t i = 0; i < names.size() && i < kMaxUnreadTensorsReported; ++i) {
-    result.add_unread_tensors(Utf8Prefix(names[i], kMaxUnreadTensorNameBytes));
-  }
+  for (size_t i = 0; i < names.size() && i < kMaxUnreadTensorsReported; ++i) result.add_unread_tensors(names[i]);
   result.set_unread_tensor_count(static_cast<int64_t>(names.size()));
+  BoundUnreadTensors(result);
 }
 
 absl::StatusOr<ForwardResult> RunForward(const ForwardRequest& request) {

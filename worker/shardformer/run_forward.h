@@ -87,9 +87,8 @@ Shape ForwardLogitsShape(const ForwardRequest& request, const ModelConfig& confi
 // batch, gathered over tp and dp, on every rank.
 absl::StatusOr<ForwardResult> ForwardRank(const ForwardRequest& request, ProcessGroup& pg, const ShardConfig& shard);
 
-// Puts `names` (ForwardResult::unread_tensors) into `result`: the first
-// kMaxUnreadTensorsReported by name, each cut to kMaxUnreadTensorNameBytes
-// (common/text.h), and their count.
+// Puts `names` (ForwardResult::unread_tensors) into `result`, held to what
+// a job keeps (BoundUnreadTensors), and their count.
 void SetUnreadTensors(const std::vector<std::string>& names, v1::ForwardResult& result);
 
 }  // namespace colod::shardformer
