@@ -31,6 +31,7 @@ absl::StatusOr<std::unique_ptr<ModelFiles>> ModelFiles::Open(const std::string& 
     }
     if (!f.ok()) return f.status();
     for (const auto& [name, info] : (*f)->tensors()) m->where_[name] = "model.safetensors";
+    for (const auto& [name, dtype] : (*f)->unreadable()) m->where_[name] = "model.safetensors";
     m->files_["model.safetensors"] = *std::move(f);
     return m;
   }

@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "gtest/gtest.h"
+#include "tests/testing/raw_safetensors.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/colo/testing.h"
 
@@ -61,6 +62,31 @@ TEST(ModelFiles, SingleFileMissingDirectoryAndBrokenIndex) {
   auto bad = ModelFiles::Open(broken);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("has no tensor v"), absl::string_view::npos) << bad.status();
+}
+
+// A tensor of a dtype colod does not read (a bool mask buffer) is part of
+// the directory, in one file or through an index: the others read, it is
+// unread until asked for, and asking for it names its dtype.
+TEST(ModelFiles, TensorsOfDTypesColodDoesNotReadAreUnreadNotFatal) {
+  const std::string header =
+      R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"m":{"dtype":"BOOL","shape":[4],"data_offsets":[4,8]}})";
+  const std::string bytes = ::colod::testing::RawSafetensors(header, std::string("\0\0\x80\x3f\1\0\1\1", 8));
+  const std::string single = Dir("unread_single"), indexed = Dir("unread_index");
+  std::ofstream(single + "/model.safetensors", std::ios::binary) << bytes;
+  std::ofstream(indexed + "/part.safetensors", std::ios::binary) << bytes;
+  std::ofstream(indexed + "/model.safetensors.index.json")
+      << R"({"weight_map":{"w":"part.safetensors","m":"part.safetensors"}})";
+  for (const std::string& dir : {single, indexed}) {
+    auto m = ModelFiles::Open(dir);
+    ASSERT_TRUE(m.ok()) << dir << ": " << m.status();
+    EXPECT_EQ((*m)->Names(), (std::vector<std::string>{"m", "w"})) << dir;
+    EXPECT_TRUE((*m)->Has("m"));
+    EXPECT_EQ((*m)->Read("w")->ToFloats(), std::vector<float>{1.0f}) << dir;
+    EXPECT_EQ((*m)->Unread(), std::vector<std::string>{"m"}) << dir;
+    const absl::Status s = (*m)->Read("m").status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("tensor m is BOOL, a dtype colod does not read"), absl::string_view::npos) << s;
+  }
 }
 
 // A FIFO where a weights file or the index should be is refused at once: it

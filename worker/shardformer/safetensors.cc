@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <map>
+#include <optional>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -100,14 +102,35 @@ absl::Status ReadBlock(const RegularFileReader& file, int64_t base, const Shape&
 
 }  // namespace
 
+constexpr char kReadDTypes[] = "F32, F16, BF16, I64, I32";
+
 absl::StatusOr<DType> ParseSafetensorsDType(const std::string& name) {
   if (name == "F32") return DType::kF32;
   if (name == "F16") return DType::kF16;
   if (name == "BF16") return DType::kBF16;
   if (name == "I64") return DType::kI64;
   if (name == "I32") return DType::kI32;
-  return absl::InvalidArgumentError(absl::StrCat("dtype ", name, " is not one of F32, F16, BF16, I64, I32"));
+  return absl::InvalidArgumentError(absl::StrCat("dtype ", name, " is not one of ", kReadDTypes));
 }
+
+namespace {
+
+// Dtypes the format defines that colod does not read, with their element
+// sizes. A file may hold tensors of these (a model's bool attention-mask
+// buffer, a u8 position table): they are validated like the others and
+// listed as unreadable, so that a model whose parameters colod reads loads,
+// and only a read of one of these names is refused.
+std::optional<int64_t> UnreadDTypeSize(const std::string& name) {
+  static const auto* const kSizes = new std::map<std::string, int64_t>{
+      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"F8_E8M0", 1},
+      {"I16", 2},  {"U16", 2}, {"U32", 4}, {"U64", 8},     {"F64", 8},
+  };
+  auto it = kSizes->find(name);
+  if (it == kSizes->end()) return std::nullopt;
+  return it->second;
+}
+
+}  // namespace
 
 const char* SafetensorsDTypeName(DType dtype) {
   switch (dtype) {
@@ -156,16 +179,22 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
       return Invalid(path, absl::StrCat("tensor ", name, ": the entry needs dtype, shape and two data_offsets"));
     }
     TensorInfo info;
-    auto dtype = ParseSafetensorsDType(e["dtype"].get<std::string>());
-    if (!dtype.ok()) return Invalid(path, absl::StrCat("tensor ", name, ": ", dtype.status().message()));
-    info.dtype = *dtype;
+    const std::string dtype_name = e["dtype"].get<std::string>();
+    auto dtype = ParseSafetensorsDType(dtype_name);
+    const std::optional<int64_t> unread_size = dtype.ok() ? std::nullopt : UnreadDTypeSize(dtype_name);
+    if (!dtype.ok() && !unread_size.has_value()) {
+      return Invalid(path,
+                     absl::StrCat("tensor ", name, ": ", dtype.status().message(), " (nor a dtype of the format)"));
+    }
+    if (dtype.ok()) info.dtype = *dtype;
     for (const auto& d : e["shape"]) {
       if (!d.is_number_unsigned() || d.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
         return Invalid(path, absl::StrCat("tensor ", name, ": a shape entry is not a size"));
       }
       info.shape.push_back(d.get<int64_t>());
     }
-    const std::optional<int64_t> want = CheckedBytes(info.shape, static_cast<int64_t>(SizeOf(info.dtype)));
+    const std::optional<int64_t> want =
+        CheckedBytes(info.shape, unread_size.has_value() ? *unread_size : static_cast<int64_t>(SizeOf(info.dtype)));
     if (!want.has_value()) return Invalid(path, absl::StrCat("tensor ", name, ": the shape is too large"));
     for (const auto& o : e["data_offsets"]) {
       if (!o.is_number_unsigned() || o.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
@@ -183,7 +212,11 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
                                         " needs ", *want, " bytes but data_offsets span ", info.end - info.begin));
     }
     ranges.emplace_back(info.begin, info.end);
-    f->tensors_[name] = std::move(info);
+    if (unread_size.has_value()) {
+      f->unreadable_[name] = dtype_name;
+    } else {
+      f->tensors_[name] = std::move(info);
+    }
   }
   // The offsets must tile the buffer: sorted, each starting where the last ended.
   std::sort(ranges.begin(), ranges.end());
@@ -201,7 +234,14 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
 
 absl::StatusOr<TensorInfo> SafetensorsFile::Info(const std::string& name) const {
   auto it = tensors_.find(name);
-  if (it == tensors_.end()) return absl::NotFoundError(absl::StrCat(path_, " has no tensor ", name));
+  if (it == tensors_.end()) {
+    auto u = unreadable_.find(name);
+    if (u != unreadable_.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(path_, ": tensor ", name, " is ", u->second,
+                                                     ", a dtype colod does not read (it reads ", kReadDTypes, ")"));
+    }
+    return absl::NotFoundError(absl::StrCat(path_, " has no tensor ", name));
+  }
   return it->second;
 }
 

@@ -6,11 +6,15 @@
 //
 // SafetensorsFile opens a file and validates its header strictly
 // before anything is read: the length fits the file, the JSON is an object
-// of well-formed entries, every dtype is one colod reads (F32, F16, BF16,
-// I64, I32), dtype size x shape = the entry's byte length, and the offsets
+// of well-formed entries, every dtype is one the format defines, dtype size
+// x shape = the entry's byte length, and the offsets
 // tile the buffer exactly (in bounds, no overlap, no hole, as the format
 // requires). Any violation is INVALID_ARGUMENT naming the file, the tensor
-// and the rule. Reads are positioned reads of the open file, not a
+// and the rule. Tensors of a dtype colod reads (F32, F16, BF16, I64, I32)
+// are tensors(); the others (BOOL, U8, F64, ...: a model's mask buffer)
+// are unreadable(), so that such a file opens, and only Info or a read of
+// one of them is INVALID_ARGUMENT naming its dtype. Reads are positioned
+// reads of the open file, not a
 // map: a file cut short while a rank reads it is DATA_LOSS rather than a
 // SIGBUS that kills the daemon. A rank that loads its shard of a tensor
 // reads only that shard's bytes, and the gaps of up to 16 KiB between its
@@ -57,10 +61,15 @@ class SafetensorsFile {
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
 
   const std::string& path() const { return path_; }
+  // The tensors of a dtype colod reads.
   const std::map<std::string, TensorInfo>& tensors() const { return tensors_; }
+  // The others, name -> the dtype's name in the file ("BOOL").
+  const std::map<std::string, std::string>& unreadable() const { return unreadable_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
-  bool Has(const std::string& name) const { return tensors_.count(name) > 0; }
-  // NOT_FOUND naming the tensor and the file.
+  // Whether the file holds `name`, readable or not.
+  bool Has(const std::string& name) const { return tensors_.count(name) > 0 || unreadable_.count(name) > 0; }
+  // NOT_FOUND naming the tensor and the file; INVALID_ARGUMENT naming the
+  // dtype for an unreadable() tensor.
   absl::StatusOr<TensorInfo> Info(const std::string& name) const;
 
   // The whole tensor, as a host tensor.
@@ -79,6 +88,7 @@ class SafetensorsFile {
   RegularFileReader file_;
   int64_t data_start_ = 0;
   std::map<std::string, TensorInfo> tensors_;
+  std::map<std::string, std::string> unreadable_;
   std::map<std::string, std::string> metadata_;
 };
 

@@ -6,8 +6,11 @@
 
 #include <cstring>
 #include <fstream>
+#include <map>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/testing/raw_safetensors.h"
 #include "tests/testing/temp_dir.h"
 
 namespace colod::shardformer {
@@ -15,12 +18,8 @@ namespace {
 
 using ::colod::testing::TempPath;
 
-// An 8-byte little-endian length, the header, then `data`.
 std::string Raw(const std::string& header, const std::string& data) {
-  std::string out(8, '\0');
-  uint64_t n = header.size();
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
-  return out + header + data;
+  return ::colod::testing::RawSafetensors(header, data);
 }
 
 std::string Floats(std::initializer_list<float> v) {
@@ -50,6 +49,37 @@ TEST(Safetensors, ReadsAFileBuiltFromTheSpecification) {
   EXPECT_EQ(w->ToFloats(), (std::vector<float>{1, 2, 3, 4}));
   EXPECT_EQ((*f)->Read("b")->ToInt64s(), (std::vector<int64_t>{7, -2}));
   EXPECT_EQ((*f)->Read("missing").status().code(), absl::StatusCode::kNotFound);
+}
+
+// Dtypes the format defines and colod does not read (a model's bool mask
+// buffer, an old u8 one, an f64 table) are validated like the others and
+// kept aside: the file opens, its other tensors read, and only those names
+// are refused, naming their dtype.
+TEST(Safetensors, TensorsOfDTypesColodDoesNotReadAreListedNotRefusedWhole) {
+  const std::string path =
+      WriteFile("unread.safetensors", Raw(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                                          R"("mask":{"dtype":"BOOL","shape":[2,3],"data_offsets":[8,14]},)"
+                                          R"("old":{"dtype":"U8","shape":[2],"data_offsets":[14,16]},)"
+                                          R"("table":{"dtype":"F64","shape":[1],"data_offsets":[16,24]}})",
+                                          Floats({1, 2}) + std::string("\1\0\1\1\1\0\7\7", 8) + std::string(8, '\0')));
+  auto f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ((*f)->Read("w")->ToFloats(), (std::vector<float>{1, 2}));
+  EXPECT_EQ((*f)->tensors().size(), 1u);
+  EXPECT_EQ((*f)->unreadable(),
+            (std::map<std::string, std::string>{{"mask", "BOOL"}, {"old", "U8"}, {"table", "F64"}}));
+  for (const char* name : {"mask", "old", "table"}) {
+    EXPECT_TRUE((*f)->Has(name)) << name;
+    const absl::Status s = (*f)->Read(name).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << name << ": " << s;
+    EXPECT_NE(s.message().find(
+                  absl::StrCat("tensor ", name, " is ", (*f)->unreadable().at(name), ", a dtype colod does not read")),
+              absl::string_view::npos)
+        << s;
+    EXPECT_EQ((*f)->ReadSlice(name, {0}, {1}).status().code(), absl::StatusCode::kInvalidArgument) << name;
+  }
+  EXPECT_FALSE((*f)->Has("missing"));
+  EXPECT_EQ((*f)->Info("missing").status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST(Safetensors, WriterRoundTripsEveryDTypeAndSlicesReadOnlyTheirBlock) {
@@ -153,7 +183,8 @@ TEST(Safetensors, MalformedFilesAreInvalidArgumentNamingTheRule) {
       {"not_json", Raw("{\"w\":", w16), "not a JSON object"},
       {"array", Raw("[1,2]", ""), "not a JSON object"},
       {"no_offsets", Raw(R"({"w":{"dtype":"F32","shape":[2,2]}})", w16), "needs dtype, shape and two data_offsets"},
-      {"dtype", Raw(R"({"w":{"dtype":"F64","shape":[2],"data_offsets":[0,16]}})", w16), "dtype F64"},
+      {"dtype", Raw(R"({"w":{"dtype":"F7","shape":[2],"data_offsets":[0,16]}})", w16), "dtype F7"},
+      {"unread_size", Raw(R"({"w":{"dtype":"F64","shape":[3],"data_offsets":[0,16]}})", w16), "needs 24 bytes"},
       {"size", Raw(R"({"w":{"dtype":"F32","shape":[2,3],"data_offsets":[0,16]}})", w16), "needs 24 bytes"},
       {"bounds", Raw(R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[8,24]}})", w16), "outside the 16-byte"},
       {"overlap",
@@ -167,10 +198,16 @@ TEST(Safetensors, MalformedFilesAreInvalidArgumentNamingTheRule) {
       // 0 bytes in plain arithmetic and would match empty offsets.
       {"wrapping_shape", Raw(R"({"w":{"dtype":"F32","shape":[4611686018427387904,16],"data_offsets":[0,0]}})", ""),
        "the shape is too large"},
+      {"wrapping_unread", Raw(R"({"w":{"dtype":"U64","shape":[2305843009213693952,8],"data_offsets":[0,0]}})", ""),
+       "the shape is too large"},
+      {"unread_overlap",
+       Raw(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,12]},"b":{"dtype":"BOOL","shape":[8],"data_offsets":[8,16]}})",
+           w16),
+       "overlap"},
       {"huge_dim", Raw(R"({"w":{"dtype":"I32","shape":[18446744073709551615],"data_offsets":[0,0]}})", ""),
        "not a size"},
-      {"huge_offset",
-       Raw(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[18446744073709551608,0]}})", w16), "not a size"},
+      {"huge_offset", Raw(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[18446744073709551608,0]}})", w16),
+       "not a size"},
   };
   for (const Case& c : cases) {
     auto f = SafetensorsFile::Open(WriteFile(std::string(c.name) + ".safetensors", c.bytes));

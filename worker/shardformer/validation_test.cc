@@ -2,11 +2,15 @@
 // layout against the config, the model type, and the checkpoint's tensors.
 // Each is found before any rank communicates (2D layers excepted), so one
 // rank's view suffices.
+#include <unistd.h>
+
 #include <algorithm>
 #include <fstream>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/testing/raw_safetensors.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/colo/testing.h"
 #include "worker/shardformer/safetensors.h"
@@ -225,6 +229,43 @@ TEST(Validation, TensorsNoParameterTookAreNamed) {
   std::sort(want.begin(), want.end());
   EXPECT_GT(want.size(), 10u);
   EXPECT_EQ(UnreadAsRank0(gpt2.dir), want);
+}
+
+// GPT-2 files saved by transformers of 2022-23 hold each block's causal mask
+// as U8 (later BOOL), a dtype colod does not read: the model loads, the
+// masks count as read (no model reads them), another unreadable tensor is
+// named as unread, and a parameter of such a dtype is refused naming it.
+TEST(Validation, TensorsOfDTypesColodDoesNotReadLoadUnlessAParameterIsOne) {
+  auto gpt2 = testing::WriteTinyGpt2(TempPath("u8_gpt2"));
+  ASSERT_TRUE(gpt2.ok()) << gpt2.status();
+  // The parameters in one file, written by colod; the buffers in a second,
+  // built by hand (colod's writer has no U8), both through an index.
+  std::vector<std::pair<std::string, Tensor>> list(gpt2->tensors.begin(), gpt2->tensors.end());
+  ASSERT_TRUE(WriteSafetensors(gpt2->dir + "/model-00001-of-00002.safetensors", list).ok());
+  ASSERT_EQ(::unlink((gpt2->dir + "/model.safetensors").c_str()), 0);
+  const auto write = [&](const std::string& wte_file) {
+    std::ofstream(gpt2->dir + "/model-00002-of-00002.safetensors", std::ios::binary)
+        << ::colod::testing::RawSafetensors(
+               R"({"transformer.h.0.attn.bias":{"dtype":"U8","shape":[1,1,16,16],"data_offsets":[0,256]},)"
+               R"("transformer.h.1.attn.bias":{"dtype":"BOOL","shape":[1,1,16,16],"data_offsets":[256,512]},)"
+               R"("transformer.wte.weight":{"dtype":"U8","shape":[50,64],"data_offsets":[512,3712]},)"
+               R"("extra.mask":{"dtype":"BOOL","shape":[3],"data_offsets":[3712,3715]}})",
+               std::string(3715, '\1'));
+    std::string index = R"({"weight_map":{)";
+    for (const auto& [name, t] : gpt2->tensors) {
+      const bool second = name == "transformer.wte.weight" && wte_file == "2";
+      index += absl::StrCat("\"", name, "\":\"model-0000", second ? "2" : "1", "-of-00002.safetensors\",");
+    }
+    index += R"("transformer.h.0.attn.bias":"model-00002-of-00002.safetensors",)"
+             R"("transformer.h.1.attn.bias":"model-00002-of-00002.safetensors",)"
+             R"("extra.mask":"model-00002-of-00002.safetensors"}})";
+    std::ofstream(gpt2->dir + "/model.safetensors.index.json") << index;
+  };
+  write("1");
+  EXPECT_EQ(UnreadAsRank0(gpt2->dir), std::vector<std::string>{"extra.mask"});
+  write("2");
+  const absl::Status s = LoadAsRank0(gpt2->dir, Layout(1, v1::TENSOR_PARALLEL_MODE_1D));
+  ExpectInvalid(s, "tensor transformer.wte.weight is U8, a dtype colod does not read");
 }
 
 }  // namespace
