@@ -54,6 +54,23 @@ std::string UnreadTensorsNote(int64_t count, const std::vector<std::string>& nam
                       absl::StrJoin(named, ", "), more > 0 ? absl::StrCat(" and ", more, " more") : "");
 }
 
+std::string TrainingStartMessage(absl::string_view checkpoint, int64_t step, const std::vector<std::string>& skipped,
+                                 const std::vector<std::string>& unread) {
+  std::vector<std::string> parts;
+  if (!checkpoint.empty()) parts.push_back(absl::StrCat("resumed from ", checkpoint, " (step ", step, ")"));
+  const std::string note = unread.empty() ? "" : UnreadTensorsNote(unread);
+  if (!skipped.empty()) {
+    std::string damaged = absl::StrCat(kPassedOverDamaged, absl::StrJoin(skipped, "; "));
+    size_t other = note.size() + 4;  // and two "; "
+    for (const std::string& p : parts) other += p.size();
+    const size_t room = other + 64 < kMaxReportedMessageBytes ? kMaxReportedMessageBytes - other : 64;
+    if (damaged.size() > room) damaged = Utf8Prefix(damaged, room);
+    parts.push_back(std::move(damaged));
+  }
+  if (!note.empty()) parts.push_back(note);  // last: coloctl prints it to the message's end
+  return Utf8Prefix(absl::StrJoin(parts, "; "), kMaxReportedMessageBytes);
+}
+
 std::string ValidUtf8(absl::string_view text) {
   std::string out;
   out.reserve(text.size());

@@ -38,6 +38,14 @@ inline std::string UnreadTensorsNote(const std::vector<std::string>& names) {
   return UnreadTensorsNote(static_cast<int64_t>(names.size()), names);
 }
 
+// Rank 0's TRAINING status message: "resumed from `checkpoint` (step
+// `step`)" where it resumed, kPassedOverDamaged and `skipped` ("; "
+// between), and UnreadTensorsNote(`unread`) last, each where there is one.
+// At most kMaxReportedMessageBytes (what the coordinator keeps): a long
+// list of damaged checkpoints is cut ("...") so that the note still fits.
+std::string TrainingStartMessage(absl::string_view checkpoint, int64_t step, const std::vector<std::string>& skipped,
+                                 const std::vector<std::string>& unread);
+
 // `text` with each byte that does not belong to a well-formed UTF-8
 // sequence (a stray continuation byte, a truncated or overlong sequence, a
 // surrogate, a code point past U+10FFFF) replaced by U+FFFD.

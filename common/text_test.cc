@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -74,6 +75,34 @@ TEST(Text, APrefixIsCutAtACharactersStartAndMarked) {
     EXPECT_LE(p.size(), max);
     EXPECT_TRUE(WellFormed(p)) << max;
   }
+}
+
+// Rank 0's TRAINING message: each part where there is one, the unread note
+// last; a list of damaged checkpoints too long for what the coordinator
+// keeps is cut so that the note survives whole.
+TEST(Text, TrainingStartMessageKeepsTheUnreadNoteWithinTheReportedBound) {
+  EXPECT_EQ(TrainingStartMessage("", 0, {}, {}), "");
+  EXPECT_EQ(TrainingStartMessage("/ck/step-000005", 5, {}, {}), "resumed from /ck/step-000005 (step 5)");
+  EXPECT_EQ(
+      TrainingStartMessage("/ck/step-000005", 5, {"step-000007: no train_state.json"}, {}),
+      std::string("resumed from /ck/step-000005 (step 5); ") + kPassedOverDamaged + "step-000007: no train_state.json");
+  const std::string note = UnreadTensorsNote({"score.weight"});
+  EXPECT_EQ(TrainingStartMessage("", 0, {}, {"score.weight"}), note);
+
+  std::vector<std::string> skipped;
+  for (int i = 0; i < 1000; ++i) skipped.push_back("step-" + std::to_string(i) + ": " + std::string(100, 'x'));
+  const std::vector<std::string> unread(20, std::string(300, '\x01'));  // escaped 4 bytes each, cut at 256
+  const std::string long_note = UnreadTensorsNote(unread);
+  ASSERT_GT(long_note.size(), 8000u);
+  const std::string m = TrainingStartMessage("/ck/step-000005", 5, skipped, unread);
+  EXPECT_LE(m.size(), kMaxReportedMessageBytes);
+  EXPECT_GT(m.size(), kMaxReportedMessageBytes - 8);  // the damaged list filled the rest
+  EXPECT_EQ(m.rfind("resumed from /ck/step-000005 (step 5); ", 0), 0u) << m.substr(0, 80);
+  EXPECT_NE(m.find(std::string(kPassedOverDamaged) + "step-0: "), std::string::npos);
+  ASSERT_GE(m.size(), long_note.size());
+  EXPECT_EQ(m.substr(m.size() - long_note.size()), long_note);
+  EXPECT_EQ(m.substr(m.size() - long_note.size() - 5, 5), "...; ");
+  EXPECT_TRUE(IsValidUtf8(m));
 }
 
 }  // namespace

@@ -548,14 +548,7 @@ absl::Status JobRunner::RunRank(Active& active) {
   if (active.request.drain()) hooks.drain = [&active] { return active.drain.load(); };
   hooks.on_start = [&](const train::RankStart& start) {
     if (metrics != nullptr) metrics->TrainingStarted();
-    std::string message =
-        start.checkpoint.empty() ? "" : absl::StrCat("resumed from ", start.checkpoint, " (step ", start.step, ")");
-    if (!start.skipped.empty()) {
-      absl::StrAppend(&message, "; ", kPassedOverDamaged, absl::StrJoin(start.skipped, "; "));
-    }
-    if (!start.unread_tensors.empty()) {  // last: coloctl prints it to the message's end
-      absl::StrAppend(&message, message.empty() ? "" : "; ", UnreadTensorsNote(start.unread_tensors));
-    }
+    const std::string message = TrainingStartMessage(start.checkpoint, start.step, start.skipped, start.unread_tensors);
     if (reporter.Phase(v1::RANK_PHASE_TRAINING, message, start.step, start.checkpoint)) active.stop = true;
     // Its step's report may have died with the worker that wrote it (no
     // metric: this worker did not train it).
