@@ -287,10 +287,9 @@ grpc::Status CoordinatorServiceImpl::ListJobs(grpc::ServerContext* ctx, const v1
     if (req->page_size() < 0) return absl::InvalidArgumentError("page_size: must be >= 0");
     const int limit = req->page_size() == 0 ? kDefaultJobsPage : std::min(req->page_size(), kMaxJobsPage);
     ASSIGN_OR_RETURN(const std::string after, PageAfter(req->page_token(), "ListJobs"));
-    // A job's id (job-NNNNNN, six digits or more), as its tokens name: jobs
-    // are ordered by their ids' numbers, which another key has none of.
-    if (!after.empty() && (!absl::StartsWith(after, "job-") || after.size() < 10 ||
-                           !std::all_of(after.begin() + 4, after.end(), absl::ascii_isdigit))) {
+    // A job's id, as its tokens name: jobs are ordered by their ids'
+    // numbers, which another key has none of.
+    if (!after.empty() && !JobManager::IsJobId(after)) {
       return absl::InvalidArgumentError("page_token: not a token from ListJobs' next_page_token");
     }
     const bool full = req->view() == v1::JOB_VIEW_FULL;

@@ -268,6 +268,10 @@ bool JobManager::IsFinal(v1::JobState state) {
          state == v1::JOB_STATE_CANCELLED;
 }
 
+bool JobManager::IsJobId(absl::string_view id) {
+  return absl::StartsWith(id, "job-") && id.size() >= 10 && std::all_of(id.begin() + 4, id.end(), absl::ascii_isdigit);
+}
+
 JobManager::JobManager(Clock* clock) : clock_(clock) {}
 
 absl::StatusOr<std::unique_ptr<JobManager>> JobManager::Open(const std::string& state_dir, Clock* clock) {

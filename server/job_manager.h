@@ -16,6 +16,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "colod/v1/job.pb.h"
@@ -208,6 +209,9 @@ class JobManager {
   std::map<std::string, int64_t> FinishedCounts();
 
   static bool IsFinal(v1::JobState state);
+  // Whether `id` has the shape of the ids Submit hands out: "job-" and six
+  // digits or more (the order of jobs_ below assumes it).
+  static bool IsJobId(absl::string_view id);
 
   // While one lives on a thread, the record writes of the changes that
   // thread makes through `manager` wait, and are written (each job's newest
@@ -384,7 +388,7 @@ class JobManager {
   RoomHooks room_;  // set before any write
   absl::Mutex mu_;
   // Job ids in the order they were handed out: job-NNNNNN has at least six
-  // digits, and job-1000000 comes after job-999999 (shorter first), not
+  // digits (IsJobId), and job-1000000 comes after job-999999 (shorter first), not
   // between job-100000 and job-100001 as strings would put it. List,
   // ListPage's pages and the scheduler's queue go in this order.
   struct JobIdOrder {

@@ -670,6 +670,7 @@ TEST(JobManager, AJobOfSevenDigitsComesAfterThoseOfSix) {
     std::vector<std::string> listed;
     for (const v1::Job& j : (*jobs)->List({})) listed.push_back(j.job_id());
     EXPECT_EQ(listed, want) << "open " << open;
+    for (const std::string& id : listed) EXPECT_TRUE(JobManager::IsJobId(id)) << id;
     const JobManager::Page first = (*jobs)->ListPage({}, "", 2, nullptr);
     ASSERT_EQ(first.jobs.size(), 2u);
     EXPECT_TRUE(first.more);
@@ -678,6 +679,17 @@ TEST(JobManager, AJobOfSevenDigitsComesAfterThoseOfSix) {
     EXPECT_EQ(rest.jobs[0].job_id(), "job-1000000");
     EXPECT_EQ(rest.jobs[1].job_id(), "job-1000001");
     EXPECT_FALSE(rest.more);
+  }
+}
+
+// The shape ListJobs' page tokens must name, and the order assumes.
+TEST(JobManager, AJobIdIsJobAndSixDigitsOrMore) {
+  for (const char* id : {"job-000001", "job-1000000", "job-4611686018427387903"}) {
+    EXPECT_TRUE(JobManager::IsJobId(id)) << id;
+  }
+  for (const char* id :
+       {"", "job-", "job-00001", "job-00000a", "job-+00001", "Job-000001", "jobs-000001", "job-000001 ", "w-000001"}) {
+    EXPECT_FALSE(JobManager::IsJobId(id)) << id;
   }
 }
 
