@@ -939,6 +939,15 @@ absl::Status JobManager::AddRankStatus(absl::string_view job_id, const v1::RankS
   });
 }
 
+absl::Status JobManager::SetPeakFlops(absl::string_view job_id, int64_t generation, double peak_flops) {
+  return ChangeJob(job_id, [&](Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<bool> {
+    RETURN_IF_ERROR(CheckNotEndedLocked(e));
+    if (e.job.generation() == generation)
+      e.attempt_peak_flops = peak_flops > 0 && std::isfinite(peak_flops) ? peak_flops : 0;
+    return false;  // nothing of the record changed
+  });
+}
+
 absl::Status JobManager::NoteResumed(absl::string_view job_id, int64_t step, const std::string& checkpoint) {
   return ChangeJob(job_id, [&](Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<bool> {
     RETURN_IF_ERROR(CheckNotEndedLocked(e));

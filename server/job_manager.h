@@ -144,6 +144,11 @@ class JobManager {
   // UNAVAILABLE. Not under a caller's lock: it writes the record before it
   // returns.
   absl::StatusOr<v1::Job> Schedule(absl::string_view job_id, const v1::MeshSpec& mesh, double peak_flops = 0);
+  // The peak the summary's MFU divides by from now on, for attempt
+  // `generation` (another's is ignored): rank 0 said which precision it
+  // trains at (a run at auto that resumed a checkpoint of another). Kept
+  // in memory, as Schedule's; the summary records it with the next step.
+  absl::Status SetPeakFlops(absl::string_view job_id, int64_t generation, double peak_flops);
   // Moves a job that has not ended to `state` (RUNNING or a final state; or
   // PENDING again, with a new reason, while it waits).
   // FAILED_PRECONDITION if it already ended.

@@ -73,18 +73,28 @@ absl::Status CheckStepReport(const v1::StepProgress& s) {
   return absl::OkStatus();
 }
 
-// The placed ranks' devices' peak for the run summary's MFU (0 unknown).
-double PlacedPeakFlops(const v1::JobSpec& spec, const v1::MeshSpec& placed, const std::vector<v1::Worker>& live) {
+// The placed ranks' devices' peak for the run summary's MFU (0 unknown),
+// at the spec's precision (key PRECISION_UNSPECIFIED: where it names none,
+// the device's default) and at each precision rank 0 may report training
+// at instead (a run at auto resumed a checkpoint of another).
+std::map<v1::Precision, double> PlacedPeakFlops(const v1::JobSpec& spec, const v1::MeshSpec& placed,
+                                                const std::vector<v1::Worker>& live) {
   absl::flat_hash_map<absl::string_view, const v1::WorkerInfo*> by_id;
   for (const v1::Worker& w : live) by_id.emplace(w.info().worker_id(), &w.info());
   std::vector<v1::WorkerInfo> devices;
   devices.reserve(placed.ranks_size());
   for (const v1::RankAssignment& a : placed.ranks()) {
     auto w = by_id.find(a.worker_id());
-    if (w == by_id.end()) return 0;
+    if (w == by_id.end()) return {};
     devices.push_back(*w->second);
   }
-  return PeakFlopsOf(spec, devices);
+  std::map<v1::Precision, double> peaks = {{v1::PRECISION_UNSPECIFIED, PeakFlopsOf(spec, devices)}};
+  for (v1::Precision p : {v1::PRECISION_FP32, v1::PRECISION_BF16_MIXED, v1::PRECISION_FP16_MIXED}) {
+    v1::JobSpec at = spec;
+    at.mutable_train()->set_precision(p);
+    peaks[p] = PeakFlopsOf(at, devices);
+  }
+  return peaks;
 }
 
 }  // namespace
@@ -341,7 +351,8 @@ void Scheduler::ScheduleQueued() {
     }
     waiting_.erase(job.job_id());
     const v1::MeshSpec& placed = *decision->placed;
-    absl::StatusOr<v1::Job> scheduled = jobs_->Schedule(job.job_id(), placed, PlacedPeakFlops(job.spec(), placed, live));
+    std::map<v1::Precision, double> peaks = PlacedPeakFlops(job.spec(), placed, live);
+    absl::StatusOr<v1::Job> scheduled = jobs_->Schedule(job.job_id(), placed, peaks[v1::PRECISION_UNSPECIFIED]);
     if (!scheduled.ok()) {  // cancelled meanwhile, or its record cannot be written (it waits, and says why)
       if (absl::IsUnavailable(scheduled.status())) {
         COLOD_LOG(WARNING) << "job " << job.job_id() << ": " << scheduled.status().message();
@@ -407,6 +418,7 @@ void Scheduler::ScheduleQueued() {
       p.drain = drain;
       p.agree_on_resume = agree_on_resume;
       p.mesh = placed;
+      p.peak_flops = std::move(peaks);
       p.keys = std::move(keys);
       p.download_keys = std::move(download_keys);
       p.scope = absl::StrFormat("%s/gen-%d", job.job_id(), p.generation);
@@ -618,6 +630,13 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report, 
       }
       if (rank == 0 && status.phase() == v1::RANK_PHASE_TRAINING) {
         p.resumed_step = status.resumed_step();
+        // The precision it trains at, where the spec left it to the run:
+        // the MFU divides by the devices' peak at that one.
+        auto peak = p.peak_flops.find(status.precision());
+        if (!p.stopping() && status.precision() != v1::PRECISION_UNSPECIFIED &&
+            p.spec.train().precision() == v1::PRECISION_UNSPECIFIED && peak != p.peak_flops.end()) {
+          (void)jobs_->SetPeakFlops(p.job_id, p.generation, peak->second);
+        }
       }
       if (status.phase() == v1::RANK_PHASE_TRAINING || status.phase() == v1::RANK_PHASE_SERVING ||
           status.phase() == v1::RANK_PHASE_RUNNING) {

@@ -223,6 +223,9 @@ class Scheduler {
     int64_t checkpointed_step = 0;
     v1::MemoryFloor memory_floor;  // the job's, sent with each assignment
     v1::MeshSpec mesh;
+    // The placed devices' peak at each precision (PlacedPeakFlops): where
+    // the spec names none, rank 0's TRAINING status says which one counts.
+    std::map<v1::Precision, double> peak_flops;
     // Each rank's worker's key when it was placed ("" none: an older
     // worker); never null. Shared, so that the store's calls compare them
     // outside mu_ (CheckScopeCaller).

@@ -100,7 +100,8 @@ class SchedulerTest : public ::testing::Test {
     for (int i = 0; i < workers; ++i) {
       v1::WorkerInfo info;
       info.set_address("10.0.0." + std::to_string(i + 1) + ":7071");
-      info.set_device_kind(v1::DEVICE_KIND_CPU);
+      info.set_device_kind(cuda_peak_.has_value() ? v1::DEVICE_KIND_CUDA : v1::DEVICE_KIND_CPU);
+      if (cuda_peak_.has_value()) *info.mutable_peak() = *cuda_peak_;
       info.set_device_ordinal(0);
       if (i < static_cast<int>(memory.size())) info.set_memory_bytes(memory[i]);
       info.set_downloads_carry_key(keyless_downloads_.count(i) == 0);
@@ -303,6 +304,7 @@ class SchedulerTest : public ::testing::Test {
   std::vector<std::string> keys_;  // Start registers worker i with keys_[i], where given
   std::set<int> keyless_downloads_;  // workers Start registers as older ones, whose downloads carry no key
   std::set<int> no_drain_;           // workers Start registers as older ones, which neither drain nor agree on a resume
+  std::optional<v1::DevicePeak> cuda_peak_;  // set: Start registers CUDA workers of this peak
 };
 
 TEST_F(SchedulerTest, PlacesRunsAndSucceeds) {
@@ -903,6 +905,67 @@ TEST_F(SchedulerTest, TheStepRankZeroResumedFromIsTheJobsWhereTheRecordIsBehind)
   bool saw = false;
   for (const v1::JobEvent& e : Events(id)) saw = saw || (e.has_rank_status() && e.rank_status().resumed_step() == 9);
   EXPECT_TRUE(saw) << "the history shows where it resumed";
+}
+
+// The MFU divides by the placed devices' peak at the precision the run
+// trains at: the spec's, or where it names none the one rank 0 reports (a
+// GPU run at auto that resumed an fp32 checkpoint trains at fp32, not at
+// the device's bf16); another rank's or another attempt's report does not
+// count, nor one where the spec named the precision.
+TEST_F(SchedulerTest, TheMfuDividesByThePeakAtThePrecisionRankZeroTrainsAt) {
+  cuda_peak_.emplace();
+  cuda_peak_->set_f32(50e12);
+  cuda_peak_->set_tf32(400e12);
+  cuda_peak_->set_bf16(800e12);
+  cuda_peak_->set_f16(900e12);
+  Start(2);
+  const auto peak_after_step = [&](const std::string& id, int64_t step) {
+    v1::ReportProgressRequest req;
+    req.mutable_step()->set_step(step);
+    req.mutable_step()->set_loss(2.5);
+    req.mutable_step()->set_tokens(1000);
+    req.mutable_step()->mutable_step_duration()->set_nanos(1000000);
+    EXPECT_TRUE(Report(id, 0, req).ok());
+    return Job(id).summary().peak_flops_per_second();
+  };
+  const auto training = [&](const std::string& id, int rank, v1::Precision precision) {
+    v1::ReportProgressRequest req;
+    req.mutable_status()->set_phase(v1::RANK_PHASE_TRAINING);
+    req.mutable_status()->set_precision(precision);
+    ASSERT_TRUE(Report(id, rank, req).ok());
+  };
+  auto job = jobs_->Submit(TrainSpec(2, 1), "");  // precision unspecified
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::string id = job->job_id();
+  scheduler_->TickForTest();
+  ASSERT_EQ(Job(id).state(), v1::JOB_STATE_SCHEDULED);
+  training(id, 1, v1::PRECISION_FP16_MIXED);  // not rank 0's
+  training(id, 0, v1::PRECISION_FP32);
+  EXPECT_EQ(peak_after_step(id, 1), 2 * 50e12);
+  const v1::RunSummary& sum = Job(id).summary();
+  EXPECT_DOUBLE_EQ(sum.mfu(), sum.mean_tokens_per_second() * sum.model_flops_per_token() / (2 * 50e12));
+  // The next attempt's rank 0 said nothing of its precision (an older
+  // worker): the device's default for the spec, bf16 on a GPU.
+  Ended(id, 1, absl::StatusCode::kUnavailable, "connection reset");
+  scheduler_->TickForTest();
+  Ended(id, 0, absl::StatusCode::kAborted, "aborted");
+  scheduler_->TickForTest();
+  ASSERT_EQ(Job(id).generation(), 2);
+  training(id, 0, v1::PRECISION_UNSPECIFIED);
+  training(id, 1, v1::PRECISION_UNSPECIFIED);
+  EXPECT_EQ(peak_after_step(id, 2), 2 * 800e12);
+  for (int r = 0; r < 2; ++r) Ended(id, r, absl::StatusCode::kOk);
+  ASSERT_EQ(Job(id).state(), v1::JOB_STATE_SUCCEEDED);
+
+  // A spec that names fp32 with TF32 allowed: that peak, whatever is reported.
+  v1::JobSpec tf32 = TrainSpec(2, 1);
+  tf32.mutable_train()->set_precision(v1::PRECISION_FP32);
+  tf32.mutable_train()->set_allow_tf32(true);
+  job = jobs_->Submit(tf32, "");
+  ASSERT_TRUE(job.ok()) << job.status();
+  scheduler_->TickForTest();
+  training(job->job_id(), 0, v1::PRECISION_BF16_MIXED);
+  EXPECT_EQ(peak_after_step(job->job_id(), 1), 2 * 400e12);
 }
 
 TEST_F(SchedulerTest, AnErrorOfTheJobItselfIsNotRetried) {

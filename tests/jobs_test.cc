@@ -110,7 +110,10 @@ TEST_F(JobsTest, TrainsOnTheWorkersWithTheInProcessLossesAndSurvivesARestart) {
       EXPECT_EQ(e.step().step(), static_cast<int64_t>(got.size()));
       EXPECT_GT(e.step().tokens_per_second(), 0);
     }
-    if (e.has_rank_status() && e.rank_status().phase() == v1::RANK_PHASE_TRAINING) training.insert(e.rank_status().rank());
+    if (e.has_rank_status() && e.rank_status().phase() == v1::RANK_PHASE_TRAINING) {
+      training.insert(e.rank_status().rank());
+      EXPECT_EQ(e.rank_status().precision(), v1::PRECISION_FP32);  // what it trains at: the spec's fp32
+    }
   }
   EXPECT_EQ(states, (std::vector<v1::JobState>{v1::JOB_STATE_PENDING, v1::JOB_STATE_SCHEDULED,
                                                v1::JOB_STATE_RUNNING, v1::JOB_STATE_SUCCEEDED}))

@@ -549,7 +549,10 @@ absl::Status JobRunner::RunRank(Active& active) {
   hooks.on_start = [&](const train::RankStart& start) {
     if (metrics != nullptr) metrics->TrainingStarted();
     const std::string message = TrainingStartMessage(start.checkpoint, start.step, start.skipped, start.unread_tensors);
-    if (reporter.Phase(v1::RANK_PHASE_TRAINING, message, start.step, start.checkpoint)) active.stop = true;
+    if (reporter.Phase(v1::RANK_PHASE_TRAINING, message, start.step, start.checkpoint,
+                       train::PrecisionOf(start.param_dtype))) {
+      active.stop = true;
+    }
     // Its step's report may have died with the worker that wrote it (no
     // metric: this worker did not train it).
     if (req.rank() == 0 && start.checkpoint_step.has_value() && reporter.Step(*start.checkpoint_step)) {

@@ -67,12 +67,13 @@ void ProgressReporter::SendLoop() const {
 }
 
 bool ProgressReporter::Phase(v1::RankPhase phase, const std::string& message, int64_t resumed_step,
-                             const std::string& resumed_from) const {
+                             const std::string& resumed_from, v1::Precision precision) const {
   v1::ReportProgressRequest r;
   r.mutable_status()->set_phase(phase);
   r.mutable_status()->set_message(Utf8Prefix(message, kMaxReportedMessageBytes));
   r.mutable_status()->set_resumed_step(resumed_step);
   r.mutable_status()->set_resumed_from(Utf8Prefix(resumed_from, kMaxReportedMessageBytes));
+  r.mutable_status()->set_precision(precision);
   absl::StatusOr<Answer> answer = Send(std::move(r));
   if (answer.ok() && !answer->denied.empty()) {
     absl::MutexLock lock(&mu_);

@@ -76,7 +76,7 @@ class ProgressReporter {
   // that this rank is not one of it): the rank should stop. Best effort:
   // a report that fails twice (five times for the end) is given up, logged.
   bool Phase(v1::RankPhase phase, const std::string& message = "", int64_t resumed_step = 0,
-             const std::string& resumed_from = "") const;
+             const std::string& resumed_from = "", v1::Precision precision = v1::PRECISION_UNSPECIFIED) const;
   // Queues the step for the sending thread and returns at once: true when
   // an answer to an earlier report said stop (as soon as it came).
   bool Step(const train::StepStats& step) const { return Step(train::StepProgressOf(step)); }

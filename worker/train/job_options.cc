@@ -93,6 +93,12 @@ absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const
   return o;
 }
 
+v1::Precision PrecisionOf(DType param_dtype) {
+  return param_dtype == DType::kBF16  ? v1::PRECISION_BF16_MIXED
+         : param_dtype == DType::kF16 ? v1::PRECISION_FP16_MIXED
+                                      : v1::PRECISION_FP32;
+}
+
 v1::JobSpec SpecFromTrainOptions(const TrainOptions& o) {
   v1::JobSpec spec;
   spec.set_kind(v1::JOB_KIND_TRAIN);
@@ -121,9 +127,7 @@ v1::JobSpec SpecFromTrainOptions(const TrainOptions& o) {
   t.set_momentum(o.optimizer.momentum);
   t.set_grad_clip_norm(o.clip_norm);
   t.set_seed(o.seed);
-  t.set_precision(o.shard.param_dtype == DType::kBF16   ? v1::PRECISION_BF16_MIXED
-                  : o.shard.param_dtype == DType::kF16 ? v1::PRECISION_FP16_MIXED
-                                                       : v1::PRECISION_FP32);
+  t.set_precision(PrecisionOf(o.shard.param_dtype));
   t.set_bucket_bytes(o.bucket_bytes);
   t.set_zero_stage(o.zero_stage);
   t.set_grad_accum(static_cast<int32_t>(o.grad_accum));

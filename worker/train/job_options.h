@@ -15,6 +15,9 @@ namespace colod::train {
 // The parameter dtype of a run that names no precision: bf16 (mixed
 // precision, f32 master weights) on CUDA devices, f32 on the CPU.
 DType DefaultParamDType(bool cuda);
+// The precision that trains parameters of `param_dtype` (f32: FP32, bf16:
+// BF16_MIXED, f16: FP16_MIXED).
+v1::Precision PrecisionOf(DType param_dtype);
 
 // `spec` (a validated TRAIN job) with the model read from `model_dir` (the
 // worker's directory holding config.json and the weights), for ranks on CUDA

@@ -833,6 +833,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   }
   start.step = first;
   start.checkpoint = run.resume;
+  start.param_dtype = shard.param_dtype;
   if (rank == 0) {
     start.skipped = run.skipped;
     start.unread_tensors = chunks.front()->unread_tensors();

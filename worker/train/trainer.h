@@ -219,6 +219,9 @@ struct RankStart {
   // Rank 0: tensors of the model's files no parameter took
   // (ShardedModel::unread_tensors; none where the pipeline split it).
   std::vector<std::string> unread_tensors;
+  // The parameters' dtype it trains at: TrainOptions' precision, or the
+  // checkpoint's where precision_auto resumed one of another.
+  DType param_dtype = DType::kF32;
 };
 
 struct RankHooks {

@@ -954,6 +954,12 @@ TEST(Trainer, AResumeAtTheDevicesPrecisionTakesTheCheckpoints) {
     ASSERT_EQ(rest.size(), 3u);
     for (size_t i = 0; i < rest.size(); ++i) EXPECT_EQ(rest[i].loss, want[i + 3].loss) << "step " << i + 4;
     EXPECT_EQ(rest[0].param_bytes, want[0].param_bytes);  // at the checkpoint's dtype
+    // ... which the rank says it trains at (the job's MFU divides by that
+    // precision's peak).
+    std::vector<DType> started;
+    ASSERT_TRUE(Train(resumed, nullptr, [&](const RankStart& s) { started.push_back(s.param_dtype); }).ok());
+    ASSERT_FALSE(started.empty());
+    for (DType d : started) EXPECT_EQ(d, trained);
     resumed.precision_auto = false;                       // named
     const absl::Status refused = Train(resumed, nullptr);
     EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
