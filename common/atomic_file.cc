@@ -106,15 +106,26 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
 
 absl::Status WriteFileAtomically(const std::string& path, absl::Span<const absl::string_view> pieces,
                                  const std::function<absl::Status()>& before_rename) {
+  return WriteFileAtomicallyStreamed(
+      path,
+      [pieces](const PieceWriter& write) {
+        for (const absl::string_view piece : pieces) {
+          if (absl::Status s = write(piece); !s.ok()) return s;
+        }
+        return absl::OkStatus();
+      },
+      before_rename);
+}
+
+absl::Status WriteFileAtomicallyStreamed(const std::string& path,
+                                         const std::function<absl::Status(const PieceWriter&)>& produce,
+                                         const std::function<absl::Status()>& before_rename) {
   if (absl::Status s = CheckReplaceable(path); !s.ok()) return s;
   static std::atomic<uint64_t> counter{0};
   const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid(), ".", counter++);
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return Errno("cannot create", tmp);
-  absl::Status s;
-  for (const absl::string_view piece : pieces) {
-    if (s.ok()) s = WriteAll(fd, piece, tmp);
-  }
+  absl::Status s = produce([fd, &tmp](absl::string_view piece) { return WriteAll(fd, piece, tmp); });
   if (s.ok() && ::fsync(fd) != 0) s = Errno("cannot fsync", tmp);
   if (::close(fd) != 0 && s.ok()) s = Errno("cannot close", tmp);
   if (s.ok()) s = before_rename();

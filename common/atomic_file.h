@@ -34,6 +34,14 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
 // and large payloads, never copied into one buffer).
 absl::Status WriteFileAtomically(const std::string& path, absl::Span<const absl::string_view> pieces,
                                  const std::function<absl::Status()>& before_rename);
+// The same for contents `produce` makes as it goes, handing each piece to
+// `write` (which returns the write's error): a model's tensors made one at a
+// time, never all held at once. An error of `produce` removes the temporary
+// file and is returned.
+using PieceWriter = std::function<absl::Status(absl::string_view piece)>;
+absl::Status WriteFileAtomicallyStreamed(const std::string& path,
+                                         const std::function<absl::Status(const PieceWriter&)>& produce,
+                                         const std::function<absl::Status()>& before_rename);
 // open(path, flags | O_CLOEXEC) that never waits for a FIFO's other end
 // (opened O_NONBLOCK: a FIFO without a writer opens for reading, one without
 // a reader fails ENXIO for writing), then blocking again for what follows:

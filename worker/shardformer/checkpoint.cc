@@ -264,7 +264,12 @@ absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& ou
   // than they are.
   int64_t parameter_elements = 0, hf_elements = 0;
   std::map<std::string, Shape> hf_shapes;
-  for (const auto& [name, t] : index.tensors) {
+  std::map<std::string, std::set<DType>> hf_dtypes;  // of the blocks that fill each
+  // The parameters that fill each checkpoint tensor, in the index's order.
+  std::map<std::string, std::vector<const std::pair<const std::string, CheckpointTensor>*>> fill;
+  for (const auto& entry : index.tensors) {
+    const auto& [name, t] = entry;
+    fill[t.hf.name].push_back(&entry);
     parameter_elements = CheckedAdd(parameter_elements, *CheckedProduct(t.global_shape)).value_or(INT64_MAX);
     auto [known, inserted] = hf_shapes.emplace(t.hf.name, t.hf.shape);
     if (inserted) {
@@ -284,61 +289,75 @@ absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& ou
         return Damaged(dir, absl::StrCat(b.file, " holds ", name, " as ", ShapeToString(info.shape),
                                          ", the index says ", ShapeToString(b.lengths)));
       }
+      hf_dtypes[t.hf.name].insert(info.dtype);
     }
   }
   if (hf_elements > parameter_elements) {
     return Damaged(dir, absl::StrCat("its checkpoint tensors have ", hf_elements, " elements, more than the ",
                                      parameter_elements, " of the parameters that fill them"));
   }
-  std::map<std::string, Tensor> out;
-  std::map<std::string, int64_t> filled;  // elements of each checkpoint tensor written
-  // Where in each Hugging Face tensor a checkpoint tensor went: (dim, start,
-  // length), dim -1 for the whole. The elements filled adding up to the
-  // tensor's is not enough: two pieces over one range leave another zero.
-  std::map<std::string, std::vector<std::array<int64_t, 3>>> ranges;
-  for (const auto& [name, t] : index.tensors) {
-    ASSIGN_OR_RETURN(Tensor whole, Tensor::Zeros(t.global_shape, DType::kF32));
-    for (const CheckpointBlock& b : t.blocks) {
-      ASSIGN_OR_RETURN(SafetensorsFile * f, file(b.file));
-      ASSIGN_OR_RETURN(Tensor piece, f->Read(name));
-      Tensor dest = whole;
-      for (size_t d = 0; d < t.global_shape.size(); ++d) {
-        ASSIGN_OR_RETURN(dest, dest.Narrow(static_cast<int64_t>(d), b.starts[d], b.lengths[d]));
-      }
-      ASSIGN_OR_RETURN(piece, piece.ToDType(DType::kF32));
-      RETURN_IF_ERROR(dest.CopyFrom(piece));
-    }
-    auto slice = LayerToHf(t.hf, whole);
-    if (!slice.ok()) return Damaged(dir, absl::StrCat(name, ": ", slice.status().message()));
-    auto it = out.find(t.hf.name);
-    if (it == out.end()) {
-      ASSIGN_OR_RETURN(Tensor zeros, Tensor::Zeros(t.hf.shape, DType::kF32));
-      it = out.emplace(t.hf.name, zeros).first;
-    }
-    const absl::Status placed = PlaceInHf(t.hf, *slice, it->second);
-    if (!placed.ok()) return Damaged(dir, absl::StrCat(name, ": ", placed.message()));
-    const std::array<int64_t, 3> range = {t.hf.narrow_dim, t.hf.narrow_dim >= 0 ? t.hf.narrow_start : 0,
-                                          t.hf.narrow_dim >= 0 ? slice->shape()[t.hf.narrow_dim] : 0};
-    for (const std::array<int64_t, 3>& other : ranges[t.hf.name]) {
-      if (range[0] < 0 || other[0] != range[0] || (other[1] < range[1] + range[2] && range[1] < other[1] + other[2])) {
-        return Damaged(dir, absl::StrCat(name, ": its piece of ", t.hf.name, " overlaps another's"));
-      }
-    }
-    ranges[t.hf.name].push_back(range);
-    filled[t.hf.name] += slice->numel();
+  // Each checkpoint tensor is written in the dtype its parameters were
+  // saved in where they agree (a bf16 run's model is bf16, half an F32's
+  // bytes, and the same values), else F32. It is made when its turn comes
+  // and dropped once written: the consolidation holds one tensor of the
+  // model (and one parameter of it), not the whole model.
+  std::vector<TensorLayout> layout;
+  for (const auto& [hf_name, shape] : hf_shapes) {
+    const std::set<DType>& dtypes = hf_dtypes[hf_name];
+    const DType one = dtypes.size() == 1 ? *dtypes.begin() : DType::kF32;
+    layout.push_back({hf_name, one == DType::kBF16 || one == DType::kF16 ? one : DType::kF32, shape});
   }
-  std::vector<std::pair<std::string, Tensor>> tensors;
-  for (const auto& [name, t] : out) {
-    if (filled[name] != t.numel()) {
-      return Damaged(dir, absl::StrCat("the parameters cover ", filled[name], " of the ", t.numel(), " elements of ",
-                                       name));
+  const auto make = [&](size_t i) -> absl::StatusOr<Tensor> {
+    const TensorLayout& l = layout[i];
+    ASSIGN_OR_RETURN(Tensor out, Tensor::Zeros(l.shape, DType::kF32));
+    int64_t filled = 0;  // elements written
+    // Where in it each parameter went: (dim, start, length), dim -1 for the
+    // whole. The elements filled adding up to the tensor's is not enough:
+    // two pieces over one range leave another zero.
+    std::vector<std::array<int64_t, 3>> ranges;
+    for (const auto* entry : fill[l.name]) {
+      const auto& [name, t] = *entry;
+      ASSIGN_OR_RETURN(Tensor whole, Tensor::Zeros(t.global_shape, DType::kF32));
+      for (const CheckpointBlock& b : t.blocks) {
+        ASSIGN_OR_RETURN(SafetensorsFile * f, file(b.file));
+        ASSIGN_OR_RETURN(Tensor piece, f->Read(name));
+        Tensor dest = whole;
+        for (size_t d = 0; d < t.global_shape.size(); ++d) {
+          ASSIGN_OR_RETURN(dest, dest.Narrow(static_cast<int64_t>(d), b.starts[d], b.lengths[d]));
+        }
+        ASSIGN_OR_RETURN(piece, piece.ToDType(DType::kF32));
+        RETURN_IF_ERROR(dest.CopyFrom(piece));
+      }
+      auto slice = LayerToHf(t.hf, whole);
+      if (!slice.ok()) return Damaged(dir, absl::StrCat(name, ": ", slice.status().message()));
+      const absl::Status placed = PlaceInHf(t.hf, *slice, out);
+      if (!placed.ok()) return Damaged(dir, absl::StrCat(name, ": ", placed.message()));
+      const std::array<int64_t, 3> range = {t.hf.narrow_dim, t.hf.narrow_dim >= 0 ? t.hf.narrow_start : 0,
+                                            t.hf.narrow_dim >= 0 ? slice->shape()[t.hf.narrow_dim] : 0};
+      for (const std::array<int64_t, 3>& other : ranges) {
+        if (range[0] < 0 || other[0] != range[0] ||
+            (other[1] < range[1] + range[2] && range[1] < other[1] + other[2])) {
+          return Damaged(dir, absl::StrCat(name, ": its piece of ", l.name, " overlaps another's"));
+        }
+      }
+      ranges.push_back(range);
+      filled += slice->numel();
     }
-    tensors.emplace_back(name, t);
-  }
+    if (filled != out.numel()) {
+      return Damaged(dir,
+                     absl::StrCat("the parameters cover ", filled, " of the ", out.numel(), " elements of ", l.name));
+    }
+    return l.dtype == DType::kF32 ? out : out.ToDType(l.dtype);
+  };
   std::error_code ec;
+  const bool created = !std::filesystem::exists(out_dir, ec);
   std::filesystem::create_directories(out_dir, ec);
   if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create ", out_dir, ": ", ec.message()));
-  RETURN_IF_ERROR(WriteSafetensors(out_dir + "/model.safetensors", tensors, {{"format", "pt"}}));
+  const absl::Status wrote = WriteSafetensorsStreamed(out_dir + "/model.safetensors", layout, make, {{"format", "pt"}});
+  if (!wrote.ok()) {
+    if (created) std::filesystem::remove(out_dir, ec);  // (only where it is still empty)
+    return wrote;
+  }
   return WriteFileAtomically(out_dir + "/config.json", config);
 }
 

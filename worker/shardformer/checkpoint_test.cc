@@ -375,6 +375,53 @@ TEST(Checkpoint, AHostileIndexIsRefusedBeforeItIsActedOn) {
   ExpectSameTensors(TempPath("ck5_out"), *model);
 }
 
+// A bf16 run's parameters consolidate into a bf16 model: the same values
+// (bf16 widens to F32 exactly) in half the bytes, loading at any layout; a
+// checkpoint tensor whose parts were saved in two dtypes is written F32.
+TEST(Checkpoint, ABf16ModelConsolidatesInBf16) {
+  auto model = testing::WriteTinyGpt2(TempPath("ckb_gpt2"));
+  ASSERT_TRUE(model.ok()) << model.status();
+  ShardConfig bf16 = Layout(2, 1, v1::TENSOR_PARALLEL_MODE_1D);
+  bf16.param_dtype = DType::kBF16;
+  const std::string checkpoint = TempPath("ckb_sharded"), out = TempPath("ckb_hf");
+  Save(model->dir, bf16, checkpoint);
+  ASSERT_TRUE(ConsolidateCheckpoint(checkpoint, out).ok());
+  auto files = ModelFiles::Open(out);
+  ASSERT_TRUE(files.ok()) << files.status();
+  EXPECT_EQ((*files)->Names().size(), model->tensors.size());
+  for (const auto& [name, t] : model->tensors) {
+    auto got = (*files)->Read(name);
+    ASSERT_TRUE(got.ok()) << name << ": " << got.status();
+    EXPECT_EQ(got->dtype(), DType::kBF16) << name;
+    EXPECT_EQ(got->shape(), t.shape()) << name;
+    EXPECT_EQ(got->ToFloats(), t.ToDType(DType::kBF16)->ToFloats()) << name;  // the values the run held
+  }
+  // An F32 consolidation of the same holds twice the bytes.
+  const std::string f32 = TempPath("ckb_f32_sharded"), f32_out = TempPath("ckb_f32_hf");
+  Save(model->dir, Layout(2, 1, v1::TENSOR_PARALLEL_MODE_1D), f32);
+  ASSERT_TRUE(ConsolidateCheckpoint(f32, f32_out).ok());
+  const auto size = [](const std::string& dir) { return std::filesystem::file_size(dir + "/model.safetensors"); };
+  EXPECT_LT(size(out), size(f32_out) * 6 / 10);
+  // One tp half of a split tensor saved F32, the other bf16 (rank 1's file
+  // from the bf16 save beside rank 0's from the F32 one): written F32.
+  std::filesystem::copy_file(f32 + "/rank-00000-of-00002.safetensors", checkpoint + "/rank-00000-of-00002.safetensors",
+                             std::filesystem::copy_options::overwrite_existing);
+  const std::string mixed = TempPath("ckb_mixed_hf");
+  ASSERT_TRUE(ConsolidateCheckpoint(checkpoint, mixed).ok());
+  auto mixed_files = ModelFiles::Open(mixed);
+  ASSERT_TRUE(mixed_files.ok()) << mixed_files.status();
+  const nlohmann::json index = Index(checkpoint);
+  int split = 0;
+  for (const auto& [name, t] : index["tensors"].items()) {
+    if (t["blocks"].size() < 2) continue;  // wholly in one rank's file: one dtype
+    ++split;
+    auto got = (*mixed_files)->Read(t["hf"]["name"].get<std::string>());
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->dtype(), DType::kF32) << name;
+  }
+  EXPECT_GT(split, 0);
+}
+
 // Two fused parts (2D's c_attn, "weight[0]" and "weight[1]") placed over
 // one range of their Hugging Face tensor, the elements still adding up:
 // refused, not a third of the tensor left zero.
@@ -401,7 +448,9 @@ TEST(Checkpoint, PiecesThatOverlapInTheirHuggingFaceTensorAreRefused) {
   const absl::Status s = ConsolidateCheckpoint(checkpoint, TempPath("ck6_out"));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(s.message().find(" overlaps another's"), std::string::npos) << s;
-  EXPECT_FALSE(std::filesystem::exists(TempPath("ck6_out") + "/model.safetensors"));
+  // Found while the model was being written: nothing is left, not even
+  // the directory it made.
+  EXPECT_FALSE(std::filesystem::exists(TempPath("ck6_out"))) << "left behind";
   std::ofstream(checkpoint + "/" + kCheckpointIndex, std::ios::trunc) << good.dump();
   ASSERT_TRUE(ConsolidateCheckpoint(checkpoint, TempPath("ck6_out")).ok());
   ExpectSameTensors(TempPath("ck6_out"), *model);

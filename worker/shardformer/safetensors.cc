@@ -8,7 +8,8 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
-#include <deque>
+#include <functional>
+#include <limits>
 #include <map>
 #include <optional>
 #include <set>
@@ -272,40 +273,68 @@ absl::StatusOr<Tensor> SafetensorsFile::ReadSlice(const std::string& name, const
 
 absl::Status WriteSafetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
                               const std::map<std::string, std::string>& metadata) {
+  // A tensor in contiguous host memory is written from its own bytes; only
+  // the others (on a device, or a view with strides) are copied first, each
+  // when its turn comes.
+  std::vector<TensorLayout> layout;
+  layout.reserve(tensors.size());
+  for (const auto& [name, t] : tensors) layout.push_back({name, t.dtype(), t.shape()});
+  return WriteSafetensorsStreamed(
+      path, layout, [&tensors](size_t i) -> absl::StatusOr<Tensor> { return tensors[i].second; }, metadata);
+}
+
+absl::Status WriteSafetensorsStreamed(const std::string& path, const std::vector<TensorLayout>& layout,
+                                      const std::function<absl::StatusOr<Tensor>(size_t i)>& make,
+                                      const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::set<std::string> names;
-  // A tensor in contiguous host memory is written from its own bytes; only
-  // the others (on a device, or a view with strides) are copied first, so
-  // that a model's write does not hold it twice (rank 0's consolidation of
-  // a large model held its F32 tensors and a copy of each).
-  std::deque<std::string> copies;
-  std::vector<absl::string_view> payloads;
+  std::vector<int64_t> sizes;
+  sizes.reserve(layout.size());
   int64_t at = 0;
-  for (const auto& [name, t] : tensors) {
-    if (name.empty() || name == "__metadata__" || !names.insert(name).second) {
-      return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor name '", name, "' is empty, reserved or repeated"));
+  for (const TensorLayout& l : layout) {
+    if (l.name.empty() || l.name == "__metadata__" || !names.insert(l.name).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("safetensors: tensor name '", l.name, "' is empty, reserved or repeated"));
     }
-    absl::string_view bytes;
-    if (!t.device().is_cuda() && t.is_contiguous()) {
-      bytes = absl::string_view(static_cast<const char*>(t.raw_data()), static_cast<size_t>(t.nbytes()));
-    } else {
-      ASSIGN_OR_RETURN(std::string copy, t.ReadBytes());
-      bytes = copies.emplace_back(std::move(copy));
+    const std::optional<int64_t> bytes = CheckedBytes(l.shape, static_cast<int64_t>(SizeOf(l.dtype)));
+    if (!bytes.has_value() || at > std::numeric_limits<int64_t>::max() - *bytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("safetensors: tensor ", l.name, " ", ShapeToString(l.shape), " does not fit a file"));
     }
-    header[name] = {{"dtype", SafetensorsDTypeName(t.dtype())},
-                    {"shape", t.shape()},
-                    {"data_offsets", {at, at + static_cast<int64_t>(bytes.size())}}};
-    at += static_cast<int64_t>(bytes.size());
-    payloads.push_back(bytes);
+    header[l.name] = {
+        {"dtype", SafetensorsDTypeName(l.dtype)}, {"shape", l.shape}, {"data_offsets", {at, at + *bytes}}};
+    at += *bytes;
+    sizes.push_back(*bytes);
   }
   std::string json = header.dump();
   json.append((8 - json.size() % 8) % 8, ' ');
   char size[8];  // the header's size, little-endian
   for (int i = 0; i < 8; ++i) size[i] = static_cast<char>((uint64_t{json.size()} >> (8 * i)) & 0xff);
-  std::vector<absl::string_view> pieces = {absl::string_view(size, 8), json};
-  pieces.insert(pieces.end(), payloads.begin(), payloads.end());
-  return WriteFileAtomically(path, pieces, [] { return absl::OkStatus(); });
+  return WriteFileAtomicallyStreamed(
+      path,
+      [&](const PieceWriter& write) -> absl::Status {
+        RETURN_IF_ERROR(write(absl::string_view(size, 8)));
+        RETURN_IF_ERROR(write(json));
+        for (size_t i = 0; i < layout.size(); ++i) {
+          ASSIGN_OR_RETURN(const Tensor t, make(i));
+          if (t.dtype() != layout[i].dtype || t.shape() != layout[i].shape) {
+            return absl::InvalidArgumentError(absl::StrCat("safetensors: tensor ", layout[i].name, " was made ",
+                                                           SafetensorsDTypeName(t.dtype()), ShapeToString(t.shape()),
+                                                           ", its header says ", SafetensorsDTypeName(layout[i].dtype),
+                                                           ShapeToString(layout[i].shape)));
+          }
+          if (!t.device().is_cuda() && t.is_contiguous()) {
+            RETURN_IF_ERROR(
+                write(absl::string_view(static_cast<const char*>(t.raw_data()), static_cast<size_t>(sizes[i]))));
+          } else {
+            ASSIGN_OR_RETURN(const std::string copy, t.ReadBytes());
+            RETURN_IF_ERROR(write(copy));
+          }
+        }
+        return absl::OkStatus();
+      },
+      [] { return absl::OkStatus(); });
 }
 
 }  // namespace colod::shardformer

@@ -26,6 +26,7 @@
 #define COLOD_WORKER_SHARDFORMER_SAFETENSORS_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -98,6 +99,22 @@ class SafetensorsFile {
 // fsync'ed, renamed), so a crash never leaves a partial file at `path`.
 absl::Status WriteSafetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
                               const std::map<std::string, std::string>& metadata = {});
+
+// A tensor of a file WriteSafetensorsStreamed writes, before it is made.
+struct TensorLayout {
+  std::string name;
+  DType dtype = DType::kF32;
+  Shape shape;
+};
+// The same for tensors made one at a time: the header from `layout`, then
+// each tensor's bytes as `make(i)` makes layout[i] (dropped once written),
+// so that a model is written without all of it held (a consolidation holds
+// one tensor of it). INVALID_ARGUMENT for a name empty, reserved or
+// repeated, or a tensor made of another dtype or shape than its layout's;
+// `make`'s error is returned. Either way no file is left at `path`.
+absl::Status WriteSafetensorsStreamed(const std::string& path, const std::vector<TensorLayout>& layout,
+                                      const std::function<absl::StatusOr<Tensor>(size_t i)>& make,
+                                      const std::map<std::string, std::string>& metadata = {});
 
 }  // namespace colod::shardformer
 

@@ -4,12 +4,15 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/testing/heap.h"
 #include "tests/testing/raw_safetensors.h"
 #include "tests/testing/temp_dir.h"
 
@@ -80,6 +83,57 @@ TEST(Safetensors, TensorsOfDTypesColodDoesNotReadAreListedNotRefusedWhole) {
   }
   EXPECT_FALSE((*f)->Has("missing"));
   EXPECT_EQ((*f)->Info("missing").status().code(), absl::StatusCode::kNotFound);
+}
+
+// A streamed write makes each tensor when its turn comes and drops it once
+// written: it holds one tensor of the file, never all (a model's
+// consolidation on rank 0). A tensor made unlike its layout, or an error of
+// the maker, leaves no file.
+TEST(Safetensors, AStreamedWriteHoldsOneTensorAtATime) {
+  constexpr int64_t kRows = 1024, kCols = 1024, kBytes = kRows * kCols * 4;  // 4 MiB each
+  std::vector<TensorLayout> layout;
+  for (int i = 0; i < 8; ++i) layout.push_back({"t" + std::to_string(i), DType::kF32, {kRows, kCols}});
+  const std::string path = TempPath("streamed.safetensors");
+  const int64_t base = ::colod::testing::HeapInUse();
+  int64_t most = 0;  // heap above `base` when a tensor is about to be made
+  const auto make = [&](size_t i) -> absl::StatusOr<Tensor> {
+    most = std::max(most, ::colod::testing::HeapInUse() - base);
+    absl::StatusOr<Tensor> t = Tensor::Zeros({kRows, kCols}, DType::kF32);
+    if (t.ok()) std::fill(t->data<float>(), t->data<float>() + kRows * kCols, static_cast<float>(i) + 0.5f);
+    return t;
+  };
+  ASSERT_TRUE(WriteSafetensorsStreamed(path, layout, make, {{"format", "pt"}}).ok());
+  EXPECT_LT(most, kBytes / 2) << "the tensors written before were still held";
+  auto f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ((*f)->metadata().at("format"), "pt");
+  for (int i = 0; i < 8; ++i) {
+    auto t = (*f)->ReadSlice("t" + std::to_string(i), {kRows - 1, kCols - 2}, {1, 2});
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_EQ(t->ToFloats(), std::vector<float>(2, static_cast<float>(i) + 0.5f)) << i;
+  }
+
+  const std::string bad = TempPath("streamed_bad.safetensors");
+  const absl::Status shape = WriteSafetensorsStreamed(bad, {{"a", DType::kF32, {2, 3}}}, [](size_t) {
+    return Tensor::Zeros({3, 2}, DType::kF32);
+  });
+  EXPECT_EQ(shape.code(), absl::StatusCode::kInvalidArgument) << shape;
+  EXPECT_NE(shape.message().find("tensor a was made F32[3, 2], its header says F32[2, 3]"), absl::string_view::npos)
+      << shape;
+  const absl::Status made = WriteSafetensorsStreamed(bad, {{"a", DType::kF32, {2}}, {"b", DType::kF32, {2}}},
+                                                     [](size_t i) -> absl::StatusOr<Tensor> {
+                                                       if (i == 1) return absl::DataLossError("b is gone");
+                                                       return Tensor::Zeros({2}, DType::kF32);
+                                                     });
+  EXPECT_EQ(made, absl::DataLossError("b is gone"));
+  EXPECT_FALSE(std::filesystem::exists(bad));
+  for (const auto& entry : std::filesystem::directory_iterator(std::filesystem::path(bad).parent_path())) {
+    EXPECT_EQ(entry.path().filename().string().find("streamed_bad.safetensors.tmp"), std::string::npos) << entry.path();
+  }
+  EXPECT_EQ(WriteSafetensorsStreamed(bad, {{"a", DType::kF32, {2}}, {"a", DType::kF32, {2}}},
+                                     [](size_t) { return Tensor::Zeros({2}, DType::kF32); })
+                .code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(Safetensors, WriterRoundTripsEveryDTypeAndSlicesReadOnlyTheirBlock) {
