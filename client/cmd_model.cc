@@ -462,8 +462,8 @@ constexpr Command kCommands[] = {
      "  consolidate Assemble a sharded checkpoint (one file per rank + colod_checkpoint.json)\n"
      "              into a Hugging Face directory (config.json + model.safetensors) that\n"
      "              loads at any layout: --checkpoint DIR --out DIR. An --out that already\n"
-     "              holds a model is refused, not written over. A bf16 (fp16) run's model\n"
-     "              is written bf16 (fp16), an fp32 run's F32.\n",
+     "              holds a model is refused, not written over. --dtype auto (a bf16 run's\n"
+     "              model is bf16, an fp32 run's F32), f32, bf16 or f16.\n",
      RunInProcessCommand},
 };
 

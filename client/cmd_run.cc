@@ -209,8 +209,10 @@ int RunConsolidate(const std::vector<std::string>&) {
                                 " (coloctl checkpoints JOB lists a job's)"));
     }
   }
+  auto dtype = shardformer::ParseModelDType(absl::GetFlag(FLAGS_dtype));
+  if (!dtype.ok()) return Usage(absl::StrCat("consolidate: --dtype: ", dtype.status().message()));
   if (std::optional<int> refused = RefuseAModelThere("consolidate", out)) return *refused;
-  const absl::Status s = shardformer::ConsolidateCheckpoint(checkpoint, out);
+  const absl::Status s = shardformer::ConsolidateCheckpoint(checkpoint, out, *dtype);
   if (!s.ok()) return Fail(s);
   std::printf("wrote %s/model.safetensors and %s/config.json\n", out.c_str(), out.c_str());
   return 0;

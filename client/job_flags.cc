@@ -117,6 +117,12 @@ ABSL_FLAG(std::string, resume, "",
           "this checkpoint (DIR/step-N, e.g. the best one `coloctl checkpoints` lists).");
 ABSL_FLAG(int64_t, stop_after, 0, "train: stop after this step (a time-boxed run to --resume later).");
 ABSL_FLAG(std::string, final, "", "train: write the trained model here as a Hugging Face directory.");
+ABSL_FLAG(std::string, final_dtype, "auto",
+          "train: the dtype of --final's model: auto (each tensor in the dtype it trained in: bf16 after a bf16 run), "
+          "f32 (for readers without bf16, such as numpy), bf16 or f16 (an fp32 run's weights rounded).");
+ABSL_FLAG(std::string, dtype, "auto",
+          "consolidate: the model's dtype: auto (each tensor in the dtype its parameters were saved in: a bf16 "
+          "run's model is bf16), f32, bf16 or f16.");
 ABSL_FLAG(std::string, device, "cpu",
           "forward, train without --coordinator: cpu (an embedded cluster of worker processes over Gloo) or cuda "
           "(rank r on this machine's CUDA device r, over NCCL); on a cluster (--coordinator) the workers' devices "
@@ -272,6 +278,11 @@ absl::StatusOr<v1::JobSpec> TrainSpecFromFlags(bool require_data) {
   t.set_grad_clip_norm(absl::GetFlag(FLAGS_clip_norm));
   t.set_seed(absl::GetFlag(FLAGS_seed));
   t.set_final_dir(absl::GetFlag(FLAGS_final));
+  const std::string final_dtype = absl::GetFlag(FLAGS_final_dtype);
+  if (absl::Status s = CheckModelDType(final_dtype); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--final-dtype: ", s.message()));
+  }
+  if (final_dtype != "auto") t.set_final_dtype(final_dtype);
   const double bucket_mb = absl::GetFlag(FLAGS_bucket_mb);
   if (!(bucket_mb > 0) || bucket_mb > 1 << 20) {
     return absl::InvalidArgumentError("--bucket-mb must be positive (and at most 1 TiB)");

@@ -26,6 +26,7 @@ ABSL_DECLARE_FLAG(std::string, precision);
 ABSL_DECLARE_FLAG(std::string, data);
 ABSL_DECLARE_FLAG(std::string, input);
 ABSL_DECLARE_FLAG(std::string, checkpoint);
+ABSL_DECLARE_FLAG(std::string, dtype);
 ABSL_DECLARE_FLAG(std::string, model_type);
 ABSL_DECLARE_FLAG(int64_t, vocab_size);
 ABSL_DECLARE_FLAG(int64_t, hidden_size);
@@ -43,7 +44,8 @@ ABSL_DECLARE_FLAG(int64_t, positions);
 #define COLOD_TRAIN_RUN_FLAGS                                                                                  \
   "data labels data_format eval_data eval_labels eval_split eval_every eval_steps eval_only steps batch_size " \
   "seq_len micro_batches grad_accum lr min_lr warmup_steps optimizer weight_decay momentum clip_norm seed "    \
-  "precision allow_tf32 bucket_mb recompute zero save save_every keep_last keep_best resume stop_after final "
+  "precision allow_tf32 bucket_mb recompute zero save save_every keep_last keep_best resume stop_after final " \
+  "final_dtype "
 // A TRAIN job's (TrainJobSpecFromFlags', --upload's, and following it):
 // `submit` takes these and its own; `train` these and what a run on this
 // machine's GPUs reads (--device, --comm-timeout), which a job on workers
@@ -59,7 +61,7 @@ ABSL_DECLARE_FLAG(int64_t, positions);
 // The model tools' (coloctl-run's, which coloctl hands them to).
 #define COLOD_INIT_MODEL_FLAGS "out model_type vocab_size hidden_size layers heads positions seed "
 #define COLOD_TOKENIZE_FLAGS "model input out data_format "
-#define COLOD_CONSOLIDATE_FLAGS "checkpoint out "
+#define COLOD_CONSOLIDATE_FLAGS "checkpoint out dtype "
 
 namespace colod::cli {
 

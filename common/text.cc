@@ -56,11 +56,13 @@ std::string UnreadTensorsNote(int64_t count, const std::vector<std::string>& nam
 
 std::string TrainingStartMessage(absl::string_view checkpoint, int64_t step, const std::vector<std::string>& skipped,
                                  const std::vector<std::string>& unread) {
+  // (Made valid UTF-8 before they are measured: a path's stray byte
+  // becomes three, which the last cut would take from the note.)
   std::vector<std::string> parts;
-  if (!checkpoint.empty()) parts.push_back(absl::StrCat("resumed from ", checkpoint, " (step ", step, ")"));
+  if (!checkpoint.empty()) parts.push_back(ValidUtf8(absl::StrCat("resumed from ", checkpoint, " (step ", step, ")")));
   const std::string note = unread.empty() ? "" : UnreadTensorsNote(unread);
   if (!skipped.empty()) {
-    std::string damaged = absl::StrCat(kPassedOverDamaged, absl::StrJoin(skipped, "; "));
+    std::string damaged = ValidUtf8(absl::StrCat(kPassedOverDamaged, absl::StrJoin(skipped, "; ")));
     size_t other = note.size() + 4;  // and two "; "
     for (const std::string& p : parts) other += p.size();
     const size_t room = other + 64 < kMaxReportedMessageBytes ? kMaxReportedMessageBytes - other : 64;

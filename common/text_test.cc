@@ -103,6 +103,14 @@ TEST(Text, TrainingStartMessageKeepsTheUnreadNoteWithinTheReportedBound) {
   EXPECT_EQ(m.substr(m.size() - long_note.size()), long_note);
   EXPECT_EQ(m.substr(m.size() - long_note.size() - 5, 5), "...; ");
   EXPECT_TRUE(IsValidUtf8(m));
+  // Bytes that are not UTF-8 (each becomes a 3-byte U+FFFD) in the path and
+  // the reasons: measured as sent, the note still whole.
+  for (std::string& s : skipped) s += "\xff\xfe";
+  const std::string bad = TrainingStartMessage("/ck/\xff\xff/step-000005", 5, skipped, unread);
+  EXPECT_LE(bad.size(), kMaxReportedMessageBytes);
+  EXPECT_TRUE(IsValidUtf8(bad));
+  ASSERT_GE(bad.size(), long_note.size());
+  EXPECT_EQ(bad.substr(bad.size() - long_note.size()), long_note);
 }
 
 }  // namespace

@@ -352,6 +352,13 @@ TEST(ValidateJobSpec, RejectsBadFieldsByName) {
   s = TrainSpec();
   s.mutable_train()->set_data_format("csv");
   ExpectInvalid(s, "spec.train.data_format");
+  s = TrainSpec();
+  for (const char* dtype : {"", "auto", "f32", "bf16", "f16"}) {
+    s.mutable_train()->set_final_dtype(dtype);
+    EXPECT_TRUE(ValidateJobSpec(s).ok()) << dtype;
+  }
+  s.mutable_train()->set_final_dtype("f64");
+  ExpectInvalid(s, "spec.train.final_dtype: 'f64' is not one of auto, f32, bf16, f16");
   // Labels: a language model has none; an image classifier and an
   // encoder-decoder need theirs.
   s = TrainSpec();
@@ -1096,7 +1103,12 @@ TEST(JobManager, EachStepIsRecordedOnce) {
   auto jobs = JobManager::Open(dir, &clock);
   ASSERT_TRUE(jobs.ok()) << jobs.status();
   EXPECT_EQ((*jobs)->Get(id)->summary().peak_flops_per_second(), 1e12) << "kept with the record";
-  ASSERT_TRUE((*jobs)->Schedule(id, v1::MeshSpec(), /*peak_flops=*/2e12).ok());  // other devices
+  ASSERT_TRUE((*jobs)->Schedule(id, v1::MeshSpec(), /*peak_flops=*/3e12).ok());  // other devices
+  // Rank 0 says it trains at another precision than the spec's default:
+  // that precision's peak counts, for this attempt only.
+  const int64_t generation = (*jobs)->Get(id)->generation();
+  ASSERT_TRUE((*jobs)->SetPeakFlops(id, generation, 2e12).ok());
+  ASSERT_TRUE((*jobs)->SetPeakFlops(id, generation - 1, 7e12).ok());               // an earlier attempt's: ignored
   for (int64_t n : {5, 6, 7}) ASSERT_TRUE((*jobs)->AddStep(id, step(n, 0)).ok());  // the restart re-runs them
   ASSERT_TRUE((*jobs)->AddStep(id, step(8, 2.0)).ok());
   // Steps the job does not have (of 10): refused, not remembered.
@@ -1116,6 +1128,9 @@ TEST(JobManager, EachStepIsRecordedOnce) {
   // MFU against the latest attempt's devices.
   EXPECT_EQ(sum.peak_flops_per_second(), 2e12);
   EXPECT_DOUBLE_EQ(sum.mfu(), 8000 / 8e-6 * kTinyFlopsPerToken / 2e12);
+  ASSERT_TRUE((*jobs)->Cancel(id, "").ok());
+  EXPECT_EQ((*jobs)->SetPeakFlops(id, generation, 5e12).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*jobs)->SetPeakFlops("job-999999", 1, 5e12).code(), absl::StatusCode::kNotFound);
 }
 
 // A late step (of an earlier generation) is recorded only from the worker

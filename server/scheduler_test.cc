@@ -910,8 +910,9 @@ TEST_F(SchedulerTest, TheStepRankZeroResumedFromIsTheJobsWhereTheRecordIsBehind)
 // The MFU divides by the placed devices' peak at the precision the run
 // trains at: the spec's, or where it names none the one rank 0 reports (a
 // GPU run at auto that resumed an fp32 checkpoint trains at fp32, not at
-// the device's bf16); another rank's or another attempt's report does not
-// count, nor one where the spec named the precision.
+// the device's bf16); another rank's report does not count, a new attempt
+// starts from the spec's again, and where the spec named the precision no
+// report changes it.
 TEST_F(SchedulerTest, TheMfuDividesByThePeakAtThePrecisionRankZeroTrainsAt) {
   cuda_peak_.emplace();
   cuda_peak_->set_f32(50e12);
@@ -939,8 +940,8 @@ TEST_F(SchedulerTest, TheMfuDividesByThePeakAtThePrecisionRankZeroTrainsAt) {
   const std::string id = job->job_id();
   scheduler_->TickForTest();
   ASSERT_EQ(Job(id).state(), v1::JOB_STATE_SCHEDULED);
-  training(id, 1, v1::PRECISION_FP16_MIXED);  // not rank 0's
   training(id, 0, v1::PRECISION_FP32);
+  training(id, 1, v1::PRECISION_FP16_MIXED);  // not rank 0's: the peak stays fp32's
   EXPECT_EQ(peak_after_step(id, 1), 2 * 50e12);
   const v1::RunSummary& sum = Job(id).summary();
   EXPECT_DOUBLE_EQ(sum.mfu(), sum.mean_tokens_per_second() * sum.model_flops_per_token() / (2 * 50e12));

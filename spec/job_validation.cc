@@ -159,6 +159,9 @@ absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shar
                      "): the stop's checkpoint keeps the steps trained, for a resume (coloctl: "
                      "--save DIR)"));
   }
+  if (absl::Status dtype = CheckModelDType(t.final_dtype()); !dtype.ok()) {
+    return Invalid(path, "final_dtype", dtype.message());
+  }
   if (t.eval_only() && !t.final_dir().empty()) {
     return Invalid(path, "final_dir", "an eval_only run trains nothing and writes no model: leave it empty");
   }
@@ -400,6 +403,15 @@ absl::Status CheckDataFormat(const std::string& format) {
   }
   return absl::InvalidArgumentError(
       absl::StrCat("'", format, "' is not one of ", absl::StrJoin(std::begin(kDataFormats), std::end(kDataFormats), ", ")));
+}
+
+absl::Status CheckModelDType(const std::string& dtype) {
+  if (dtype.empty()) return absl::OkStatus();
+  for (const char* known : kModelDTypes) {
+    if (dtype == known) return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "'", dtype, "' is not one of ", absl::StrJoin(std::begin(kModelDTypes), std::end(kModelDTypes), ", ")));
 }
 
 namespace {

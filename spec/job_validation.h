@@ -26,6 +26,10 @@ inline constexpr const char* kDataFormats[] = {"auto", "uint16", "uint32", "npy"
 // INVALID_ARGUMENT "'x' is not one of auto, uint16, ..." unless `format` is
 // one of kDataFormats or empty.
 absl::Status CheckDataFormat(const std::string& format);
+// The values of TrainConfig.final_dtype and `coloctl consolidate --dtype`
+// ("" is auto), and the check of one, as kDataFormats.
+inline constexpr const char* kModelDTypes[] = {"auto", "f32", "bf16", "f16"};
+absl::Status CheckModelDType(const std::string& dtype);
 
 // OK, or INVALID_ARGUMENT whose message starts with the offending field's
 // path (e.g. "spec.shard.tensor_parallel_size: ..."). Names and labels are

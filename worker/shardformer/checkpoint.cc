@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "common/atomic_file.h"
 #include "common/int_math.h"
 #include "common/json.h"
@@ -241,7 +242,37 @@ absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, Ran
                        absl::StrCat("the checkpoint in ", dir, " was not saved: rank 0 could not write its index"));
 }
 
-absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir) {
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> OpenCheckpointFile(const std::string& path) {
+  ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> f, SafetensorsFile::Open(path));
+  if (!f->unreadable().empty()) {
+    const auto& [name, dtype] = *f->unreadable().begin();
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": tensor ", name, " is ", dtype, ", a dtype colod's checkpoints never hold"));
+  }
+  return f;
+}
+
+absl::StatusOr<std::optional<DType>> ParseModelDType(const std::string& name) {
+  if (name.empty() || name == "auto") return std::nullopt;
+  if (name == "f32") return DType::kF32;
+  if (name == "bf16") return DType::kBF16;
+  if (name == "f16") return DType::kF16;
+  return absl::InvalidArgumentError(absl::StrCat("'", name, "' is not one of auto, f32, bf16, f16"));
+}
+
+namespace {
+
+// Hugging Face's name of a model dtype (config.json's torch_dtype).
+const char* TorchDTypeName(DType dtype) {
+  return dtype == DType::kBF16 ? "bfloat16" : dtype == DType::kF16 ? "float16" : "float32";
+}
+
+}  // namespace
+
+absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir, std::optional<DType> dtype) {
+  if (dtype.has_value() && *dtype != DType::kF32 && *dtype != DType::kBF16 && *dtype != DType::kF16) {
+    return absl::InvalidArgumentError("a model is written in f32, bf16 or f16");
+  }
   // Both destinations before anything is read or written: never new weights
   // beside an old config.
   for (const char* name : {"/model.safetensors", "/config.json"}) RETURN_IF_ERROR(CheckReplaceable(out_dir + name));
@@ -251,7 +282,7 @@ absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& ou
   auto file = [&](const std::string& name) -> absl::StatusOr<SafetensorsFile*> {
     auto& f = files[name];
     if (f == nullptr) {
-      auto opened = SafetensorsFile::Open(absl::StrCat(dir, "/", name));
+      auto opened = OpenCheckpointFile(absl::StrCat(dir, "/", name));
       if (!opened.ok()) return Damaged(dir, std::string(opened.status().message()));
       f = *std::move(opened);
     }
@@ -302,10 +333,20 @@ absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& ou
   // and dropped once written: the consolidation holds one tensor of the
   // model (and one parameter of it), not the whole model.
   std::vector<TensorLayout> layout;
+  std::set<DType> written;
   for (const auto& [hf_name, shape] : hf_shapes) {
     const std::set<DType>& dtypes = hf_dtypes[hf_name];
     const DType one = dtypes.size() == 1 ? *dtypes.begin() : DType::kF32;
-    layout.push_back({hf_name, one == DType::kBF16 || one == DType::kF16 ? one : DType::kF32, shape});
+    layout.push_back({hf_name, dtype.value_or(one == DType::kBF16 || one == DType::kF16 ? one : DType::kF32), shape});
+    written.insert(layout.back().dtype);
+  }
+  if (written.size() == 1) {  // (a model of several: its config's word is left as it is)
+    // (Its keys in their order: ParseJson bounds the nesting first.)
+    if (ParseJson(config).is_object()) {
+      nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(config);
+      ordered["torch_dtype"] = TorchDTypeName(*written.begin());
+      config = ordered.dump(2) + "\n";
+    }
   }
   const auto make = [&](size_t i) -> absl::StatusOr<Tensor> {
     const TensorLayout& l = layout[i];
@@ -349,16 +390,26 @@ absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& ou
     }
     return l.dtype == DType::kF32 ? out : out.ToDType(l.dtype);
   };
+  // The directories of out_dir's path that are not there yet, deepest
+  // first: a failure removes them again (each only where still empty).
+  std::vector<std::filesystem::path> made;
   std::error_code ec;
-  const bool created = !std::filesystem::exists(out_dir, ec);
+  for (std::filesystem::path p = std::string(absl::StripSuffix(out_dir, "/"));
+       !p.empty() && !std::filesystem::exists(p, ec); p = p.parent_path()) {
+    made.push_back(p);
+  }
   std::filesystem::create_directories(out_dir, ec);
   if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create ", out_dir, ": ", ec.message()));
-  const absl::Status wrote = WriteSafetensorsStreamed(out_dir + "/model.safetensors", layout, make, {{"format", "pt"}});
-  if (!wrote.ok()) {
-    if (created) std::filesystem::remove(out_dir, ec);  // (only where it is still empty)
-    return wrote;
+  const std::string model = out_dir + "/model.safetensors";
+  absl::Status s = WriteSafetensorsStreamed(model, layout, make, {{"format", "pt"}});
+  if (s.ok()) {
+    s = WriteFileAtomically(out_dir + "/config.json", config);
+    if (!s.ok()) std::filesystem::remove(model, ec);  // never a model without its config
   }
-  return WriteFileAtomically(out_dir + "/config.json", config);
+  if (!s.ok()) {
+    for (const std::filesystem::path& d : made) std::filesystem::remove(d, ec);
+  }
+  return s;
 }
 
 }  // namespace colod::shardformer

@@ -23,6 +23,8 @@
 #ifndef COLOD_WORKER_SHARDFORMER_CHECKPOINT_H_
 #define COLOD_WORKER_SHARDFORMER_CHECKPOINT_H_
 
+#include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,9 +32,17 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "worker/shardformer/checkpoint_index.h"
+#include "worker/shardformer/safetensors.h"
 #include "worker/shardformer/shardformer.h"
 
 namespace colod::shardformer {
+
+// A file of a colod checkpoint (a rank's parameters or optimizer state),
+// opened: SafetensorsFile::Open's errors, and INVALID_ARGUMENT where it
+// holds a tensor of a dtype colod never writes (SafetensorsFile::unreadable:
+// a damaged header), so that such a checkpoint is damaged as a whole, passed
+// over for an older one, not found out at its first read.
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> OpenCheckpointFile(const std::string& path);
 
 // Every rank of the model calls it with the same `dir` (created if needed,
 // on a file system all ranks share).
@@ -62,16 +72,28 @@ absl::StatusOr<RankParts> TakeRankParts(const std::vector<ShardedModel*>& chunks
 // its own error, the others ABORTED marked IsPeerCaused.
 absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, RankParts parts, const std::string& dir);
 
+// A consolidated model's dtype by its name (spec's kModelDTypes: "" or
+// "auto" is nullopt, each tensor in its parameters' own; "f32", "bf16",
+// "f16"); INVALID_ARGUMENT for another.
+absl::StatusOr<std::optional<DType>> ParseModelDType(const std::string& name);
+
 // Assembles the sharded checkpoint in `dir` into `out_dir` (created if
 // needed): config.json and one model.safetensors with every tensor under its
-// Hugging Face name and shape. Runs on one process, no ranks. NOT_FOUND for
+// Hugging Face name and shape, in `dtype`, or where that is nullopt in the
+// dtype its parameters were saved in where they agree (a bf16 run's model
+// is bf16), else F32; config.json's torch_dtype names the dtype where every
+// tensor has one. The model is made one tensor at a time as it is written
+// (WriteSafetensorsStreamed): a few F32 copies of its largest tensor are
+// held, not the model. A failure leaves nothing in `out_dir`, nor `out_dir`
+// where it made it. Runs on one process, no ranks. NOT_FOUND for
 // a directory without an index; INVALID_ARGUMENT naming the file or tensor
 // for a damaged or incomplete checkpoint (an index ParseCheckpointIndex
 // refuses, a missing rank file, a block whose shape does not match the
 // index, blocks that do not cover a tensor). Every block's stored shape is
 // checked before anything is allocated, so an index cannot make it allocate
 // more than the rank files hold.
-absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir);
+absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir,
+                                   std::optional<DType> dtype = std::nullopt);
 
 }  // namespace colod::shardformer
 

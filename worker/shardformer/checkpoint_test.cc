@@ -396,6 +396,37 @@ TEST(Checkpoint, ABf16ModelConsolidatesInBf16) {
     EXPECT_EQ(got->shape(), t.shape()) << name;
     EXPECT_EQ(got->ToFloats(), t.ToDType(DType::kBF16)->ToFloats()) << name;  // the values the run held
   }
+  // config.json says so, its other keys as they were and in their order.
+  const auto config_of = [](const std::string& dir) {
+    std::ifstream in(dir + "/config.json");
+    return nlohmann::ordered_json::parse(in);
+  };
+  nlohmann::ordered_json config = config_of(out), original = config_of(model->dir);
+  EXPECT_EQ(config["torch_dtype"], "bfloat16");
+  config.erase("torch_dtype");
+  original.erase("torch_dtype");
+  EXPECT_EQ(config.dump(), original.dump());
+  // It loads (at another layout than it was saved at) as the bf16 model.
+  ShardConfig two_d = Layout(4, 1, v1::TENSOR_PARALLEL_MODE_2D);
+  RunMesh(*DeviceMesh::FromShardConfig(two_d.layout), [&](int, ProcessGroup& pg) {
+    auto loaded = ShardFormer(two_d, &pg).Load(out);
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    EXPECT_EQ((*loaded)->unread_tensors(), std::vector<std::string>{});
+  });
+  // Asked for F32: the same values, widened, and config.json says float32.
+  const std::string wide = TempPath("ckb_wide_hf");
+  ASSERT_TRUE(ConsolidateCheckpoint(checkpoint, wide, DType::kF32).ok());
+  auto wide_files = ModelFiles::Open(wide);
+  ASSERT_TRUE(wide_files.ok()) << wide_files.status();
+  for (const auto& [name, t] : model->tensors) {
+    auto got = (*wide_files)->Read(name);
+    ASSERT_TRUE(got.ok()) << name << ": " << got.status();
+    EXPECT_EQ(got->dtype(), DType::kF32) << name;
+    EXPECT_EQ(got->ToFloats(), t.ToDType(DType::kBF16)->ToFloats()) << name;
+  }
+  EXPECT_EQ(config_of(wide)["torch_dtype"], "float32");
+  EXPECT_EQ(ConsolidateCheckpoint(checkpoint, TempPath("ckb_i64"), DType::kI64).code(),
+            absl::StatusCode::kInvalidArgument);
   // An F32 consolidation of the same holds twice the bytes.
   const std::string f32 = TempPath("ckb_f32_sharded"), f32_out = TempPath("ckb_f32_hf");
   Save(model->dir, Layout(2, 1, v1::TENSOR_PARALLEL_MODE_1D), f32);
@@ -445,11 +476,11 @@ TEST(Checkpoint, PiecesThatOverlapInTheirHuggingFaceTensorAreRefused) {
   nlohmann::json bad = good;
   bad["tensors"][second_part]["hf"]["narrow_start"] = good["tensors"][first_part]["hf"]["narrow_start"];
   std::ofstream(checkpoint + "/" + kCheckpointIndex) << bad.dump();
-  const absl::Status s = ConsolidateCheckpoint(checkpoint, TempPath("ck6_out"));
+  const absl::Status s = ConsolidateCheckpoint(checkpoint, TempPath("ck6_out") + "/a/b/");
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(s.message().find(" overlaps another's"), std::string::npos) << s;
   // Found while the model was being written: nothing is left, not even
-  // the directory it made.
+  // the directories it made.
   EXPECT_FALSE(std::filesystem::exists(TempPath("ck6_out"))) << "left behind";
   std::ofstream(checkpoint + "/" + kCheckpointIndex, std::ios::trunc) << good.dump();
   ASSERT_TRUE(ConsolidateCheckpoint(checkpoint, TempPath("ck6_out")).ok());

@@ -117,17 +117,18 @@ absl::StatusOr<DType> ParseSafetensorsDType(const std::string& name) {
 namespace {
 
 // Dtypes the format defines that colod does not read, with their element
-// sizes. A file may hold tensors of these (a model's bool attention-mask
-// buffer, a u8 position table): they are validated like the others and
-// listed as unreadable, so that a model whose parameters colod reads loads,
-// and only a read of one of these names is refused.
-std::optional<int64_t> UnreadDTypeSize(const std::string& name) {
-  static const auto* const kSizes = new std::map<std::string, int64_t>{
-      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"F8_E8M0", 1},
-      {"I16", 2},  {"U16", 2}, {"U32", 4}, {"U64", 8},     {"F64", 8},
+// sizes in bits. A file may hold tensors of these (a model's bool
+// attention-mask buffer, a u8 position table): they are validated like the
+// others and listed as unreadable, so that a model whose parameters colod
+// reads loads, and only a read of one of these names is refused.
+std::optional<int64_t> UnreadDTypeBits(const std::string& name) {
+  static const auto* const kBits = new std::map<std::string, int64_t>{
+      {"BOOL", 8},        {"U8", 8},      {"I8", 8},   {"F8_E4M3", 8}, {"F8_E5M2", 8}, {"F8_E4M3FNUZ", 8},
+      {"F8_E5M2FNUZ", 8}, {"F8_E8M0", 8}, {"I16", 16}, {"U16", 16},    {"U32", 32},    {"U64", 64},
+      {"F64", 64},        {"C64", 64},    {"F4", 4},   {"F6_E2M3", 6}, {"F6_E3M2", 6},
   };
-  auto it = kSizes->find(name);
-  if (it == kSizes->end()) return std::nullopt;
+  auto it = kBits->find(name);
+  if (it == kBits->end()) return std::nullopt;
   return it->second;
 }
 
@@ -182,10 +183,10 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     TensorInfo info;
     const std::string dtype_name = e["dtype"].get<std::string>();
     auto dtype = ParseSafetensorsDType(dtype_name);
-    const std::optional<int64_t> unread_size = dtype.ok() ? std::nullopt : UnreadDTypeSize(dtype_name);
-    if (!dtype.ok() && !unread_size.has_value()) {
-      return Invalid(path,
-                     absl::StrCat("tensor ", name, ": ", dtype.status().message(), " (nor a dtype of the format)"));
+    const std::optional<int64_t> unread_bits = dtype.ok() ? std::nullopt : UnreadDTypeBits(dtype_name);
+    if (!dtype.ok() && !unread_bits.has_value()) {
+      return Invalid(path, absl::StrCat("tensor ", name, ": ", dtype.status().message(),
+                                        " (nor one of the format's that colod knows)"));
     }
     if (dtype.ok()) info.dtype = *dtype;
     for (const auto& d : e["shape"]) {
@@ -194,9 +195,14 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
       }
       info.shape.push_back(d.get<int64_t>());
     }
-    const std::optional<int64_t> want =
-        CheckedBytes(info.shape, unread_size.has_value() ? *unread_size : static_cast<int64_t>(SizeOf(info.dtype)));
-    if (!want.has_value()) return Invalid(path, absl::StrCat("tensor ", name, ": the shape is too large"));
+    const std::optional<int64_t> bits =
+        CheckedBytes(info.shape, unread_bits.has_value() ? *unread_bits : 8 * static_cast<int64_t>(SizeOf(info.dtype)));
+    if (!bits.has_value()) return Invalid(path, absl::StrCat("tensor ", name, ": the shape is too large"));
+    if (*bits % 8 != 0) {  // (4- and 6-bit elements are packed: the format wants whole bytes)
+      return Invalid(path, absl::StrCat("tensor ", name, ": ", dtype_name, ShapeToString(info.shape), " is ", *bits,
+                                        " bits, not whole bytes"));
+    }
+    const std::optional<int64_t> want = *bits / 8;
     for (const auto& o : e["data_offsets"]) {
       if (!o.is_number_unsigned() || o.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
         return Invalid(path, absl::StrCat("tensor ", name, ": an offset is not a size"));
@@ -213,7 +219,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
                                         " needs ", *want, " bytes but data_offsets span ", info.end - info.begin));
     }
     ranges.emplace_back(info.begin, info.end);
-    if (unread_size.has_value()) {
+    if (unread_bits.has_value()) {
       f->unreadable_[name] = dtype_name;
     } else {
       f->tensors_[name] = std::move(info);

@@ -6,8 +6,9 @@
 //
 // SafetensorsFile opens a file and validates its header strictly
 // before anything is read: the length fits the file, the JSON is an object
-// of well-formed entries, every dtype is one the format defines, dtype size
-// x shape = the entry's byte length, and the offsets
+// of well-formed entries, every dtype is one of the format's that colod
+// knows, dtype size x shape = the entry's byte length (whole bytes for the
+// packed 4- and 6-bit kinds), and the offsets
 // tile the buffer exactly (in bounds, no overlap, no hole, as the format
 // requires). Any violation is INVALID_ARGUMENT naming the file, the tensor
 // and the rule. Tensors of a dtype colod reads (F32, F16, BF16, I64, I32)

@@ -1,6 +1,7 @@
 // SafetensorsFile on arbitrary bytes (the header, its shapes and offsets):
 // Open refuses it, or every tensor it lists reads whole and in slices
-// without reading outside the file.
+// without reading outside the file, and each tensor of a dtype it does not
+// read is there and INVALID_ARGUMENT when read.
 #include <unistd.h>
 
 #include <cstdint>
@@ -8,6 +9,7 @@
 #include <fstream>
 #include <string>
 
+#include "absl/status/status.h"
 #include "worker/shardformer/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -33,6 +35,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       absl::StatusOr<colod::Tensor> half = (*f)->ReadSlice(name, starts, lengths);
       if (!half.ok()) std::abort();
     }
+  }
+  // A tensor of a dtype colod does not read is there, and refused only
+  // when read.
+  for (const auto& [name, dtype] : (*f)->unreadable()) {
+    if (!(*f)->Has(name) || (*f)->Read(name).status().code() != absl::StatusCode::kInvalidArgument) std::abort();
   }
   return 0;
 }

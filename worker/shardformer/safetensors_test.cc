@@ -63,15 +63,16 @@ TEST(Safetensors, TensorsOfDTypesColodDoesNotReadAreListedNotRefusedWhole) {
       WriteFile("unread.safetensors", Raw(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
                                           R"("mask":{"dtype":"BOOL","shape":[2,3],"data_offsets":[8,14]},)"
                                           R"("old":{"dtype":"U8","shape":[2],"data_offsets":[14,16]},)"
-                                          R"("table":{"dtype":"F64","shape":[1],"data_offsets":[16,24]}})",
-                                          Floats({1, 2}) + std::string("\1\0\1\1\1\0\7\7", 8) + std::string(8, '\0')));
+                                          R"("table":{"dtype":"F64","shape":[1],"data_offsets":[16,24]},)"
+                                          R"("packed":{"dtype":"F4","shape":[4,4],"data_offsets":[24,32]}})",
+                                          Floats({1, 2}) + std::string("\1\0\1\1\1\0\7\7", 8) + std::string(16, '\0')));
   auto f = SafetensorsFile::Open(path);
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ((*f)->Read("w")->ToFloats(), (std::vector<float>{1, 2}));
   EXPECT_EQ((*f)->tensors().size(), 1u);
   EXPECT_EQ((*f)->unreadable(),
-            (std::map<std::string, std::string>{{"mask", "BOOL"}, {"old", "U8"}, {"table", "F64"}}));
-  for (const char* name : {"mask", "old", "table"}) {
+            (std::map<std::string, std::string>{{"mask", "BOOL"}, {"old", "U8"}, {"table", "F64"}, {"packed", "F4"}}));
+  for (const char* name : {"mask", "old", "table", "packed"}) {
     EXPECT_TRUE((*f)->Has(name)) << name;
     const absl::Status s = (*f)->Read(name).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << name << ": " << s;
@@ -239,6 +240,9 @@ TEST(Safetensors, MalformedFilesAreInvalidArgumentNamingTheRule) {
       {"no_offsets", Raw(R"({"w":{"dtype":"F32","shape":[2,2]}})", w16), "needs dtype, shape and two data_offsets"},
       {"dtype", Raw(R"({"w":{"dtype":"F7","shape":[2],"data_offsets":[0,16]}})", w16), "dtype F7"},
       {"unread_size", Raw(R"({"w":{"dtype":"F64","shape":[3],"data_offsets":[0,16]}})", w16), "needs 24 bytes"},
+      {"packed_size", Raw(R"({"w":{"dtype":"F4","shape":[2,16],"data_offsets":[0,8]}})", w16), "needs 16 bytes"},
+      {"partial_byte", Raw(R"({"w":{"dtype":"F6_E2M3","shape":[3],"data_offsets":[0,16]}})", w16),
+       "F6_E2M3[3] is 18 bits, not whole bytes"},
       {"size", Raw(R"({"w":{"dtype":"F32","shape":[2,3],"data_offsets":[0,16]}})", w16), "needs 24 bytes"},
       {"bounds", Raw(R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[8,24]}})", w16), "outside the 16-byte"},
       {"overlap",

@@ -213,7 +213,7 @@ absl::Status ValidateFiles(const std::string& step_dir, const Json& state) {
   for (int r = 0; r < world; ++r) {
     for (const std::string& name :
          {absl::StrFormat("rank-%05d-of-%05d.safetensors", r, world), OptimFile(r, world)}) {
-      auto f = shardformer::SafetensorsFile::Open(step_dir + "/" + name);
+      auto f = shardformer::OpenCheckpointFile(step_dir + "/" + name);
       if (!f.ok()) return f.status();
     }
   }
@@ -840,7 +840,7 @@ absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
   auto file = [&](const std::string& name) -> absl::StatusOr<shardformer::SafetensorsFile*> {
     auto& f = files[name];
     if (f == nullptr) {
-      ASSIGN_OR_RETURN(f, shardformer::SafetensorsFile::Open(checkpoint + "/" + name));
+      ASSIGN_OR_RETURN(f, shardformer::OpenCheckpointFile(checkpoint + "/" + name));
     }
     return f.get();
   };

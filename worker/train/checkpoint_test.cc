@@ -761,6 +761,28 @@ TEST(Checkpoints, OnlyAStepDirectoryOfItsOwnStepIsACheckpoint) {
   auto resumed = ReadTrainState(*latest);
   ASSERT_TRUE(resumed.ok()) << resumed.status();
   EXPECT_EQ(resumed->step, 1000000);
+
+  // A rank file whose header says U32 where colod wrote F32 (the same
+  // size: the file still parses) is a damaged checkpoint, passed over, not
+  // one that fails the resume at its first read.
+  plant("step-1000006", [](nlohmann::json& s) { s["step"] = 1000006; });
+  const std::string rank0 = dir + "/step-1000006/rank-00000-of-00002.safetensors";
+  std::string bytes;
+  {
+    std::ifstream in(rank0, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  const size_t at = bytes.find(R"("dtype":"F32")");
+  ASSERT_NE(at, std::string::npos);
+  bytes.replace(at, 13, R"("dtype":"U32")");
+  std::ofstream(rank0, std::ios::binary | std::ios::trunc) << bytes;
+  skipped.clear();
+  latest = LatestCheckpoint(dir, &skipped);
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(*latest, dir + "/step-1000000");
+  ASSERT_EQ(skipped.size(), 6u) << absl::StrJoin(skipped, "\n");
+  EXPECT_NE(absl::StrJoin(skipped, "\n").find("is U32, a dtype colod's checkpoints never hold"), std::string::npos)
+      << absl::StrJoin(skipped, "\n");
 }
 
 TEST(Checkpoints, ARestartResumesFromItsOwnJobsNewestCheckpoint) {

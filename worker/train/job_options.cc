@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
+#include "worker/shardformer/checkpoint.h"
 
 namespace colod::train {
 
@@ -78,6 +79,11 @@ absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const
       return absl::InvalidArgumentError(absl::StrCat("spec.train.recompute: unknown value ", t.recompute()));
   }
   o.final_dir = t.final_dir();
+  auto final_dtype = shardformer::ParseModelDType(t.final_dtype());
+  if (!final_dtype.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("spec.train.final_dtype: ", final_dtype.status().message()));
+  }
+  o.final_dtype = *final_dtype;
   o.save_dir = t.checkpoint_dir();
   o.save_every = t.checkpoint_every();
   o.resume_dir = t.resume_from();
@@ -136,6 +142,9 @@ v1::JobSpec SpecFromTrainOptions(const TrainOptions& o) {
                                                                             : v1::RECOMPUTE_NONE);
   t.set_allow_tf32(o.allow_tf32);
   t.set_final_dir(o.final_dir);
+  if (o.final_dtype.has_value()) {
+    t.set_final_dtype(*o.final_dtype == DType::kBF16 ? "bf16" : *o.final_dtype == DType::kF16 ? "f16" : "f32");
+  }
   t.set_checkpoint_dir(o.save_dir);
   t.set_checkpoint_every(o.save_every);
   t.set_resume_from(o.resume_dir);

@@ -1118,7 +1118,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   if (!o.job.empty()) {  // before the model: a restart after a partial write may write it again
     RETURN_IF_ERROR(WriteFileAtomically(absl::StrCat(o.final_dir, "/", kFinalWriterFile), o.job));
   }
-  RETURN_IF_ERROR(shardformer::ConsolidateCheckpoint(sharded, o.final_dir));
+  RETURN_IF_ERROR(shardformer::ConsolidateCheckpoint(sharded, o.final_dir, o.final_dtype));
   std::error_code ec;
   std::filesystem::remove_all(sharded, ec);
   return absl::OkStatus();

@@ -82,6 +82,9 @@ struct TrainOptions {
   // kFinalWriterFile names the job: a restart after the write), and be
   // writable (checked before the first step).
   std::string final_dir;
+  // final_dir's model's dtype (TrainConfig.final_dtype): nullopt, each
+  // tensor in its parameters' (ConsolidateCheckpoint).
+  std::optional<DType> final_dtype;
   std::string save_dir;       // if set, a training checkpoint every `save_every` steps
   int64_t save_every = 0;     //   (and after the last step)
   // Retention after each checkpoint (PruneCheckpoints): the newest

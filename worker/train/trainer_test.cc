@@ -992,6 +992,31 @@ TEST(Trainer, MixedPrecisionTracksTheF32RunWithF32MasterWeights) {
   // bytes, and a step's activations on top (plan_test measures those).
   auto config = shardformer::LoadConfig(model);
   ASSERT_TRUE(config.ok()) << config.status();
+  // Its final model is bf16 (the parameters it trained, not widened), or
+  // F32 where the run asks (TrainConfig.final_dtype, through the spec).
+  for (const std::optional<DType> want : {std::optional<DType>(), std::optional<DType>(DType::kF32)}) {
+    TrainOptions o = mixed;
+    o.steps = 1;
+    o.final_dir = TempPath(want.has_value() ? "train_bf16_final_f32" : "train_bf16_final");
+    o.final_dtype = want;
+    v1::JobSpec spec = SpecFromTrainOptions(o);
+    EXPECT_EQ(spec.train().final_dtype(), want.has_value() ? "f32" : "");
+    auto from_spec = TrainOptionsFromSpec(spec, model, /*cuda=*/false);
+    ASSERT_TRUE(from_spec.ok()) << from_spec.status();
+    EXPECT_EQ(from_spec->final_dtype, want);
+    o.final_dtype = from_spec->final_dtype;
+    ASSERT_EQ(Losses(o).size(), 1u);
+    auto files = shardformer::ModelFiles::Open(o.final_dir);
+    ASSERT_TRUE(files.ok()) << files.status();
+    auto wte = (*files)->Read("transformer.wte.weight");
+    ASSERT_TRUE(wte.ok()) << wte.status();
+    EXPECT_EQ(wte->dtype(), want.value_or(DType::kBF16));
+    auto config_json = ReadFileToString(o.final_dir + "/config.json");
+    ASSERT_TRUE(config_json.ok()) << config_json.status();
+    EXPECT_TRUE(absl::StrContains(*config_json,
+                                  want.has_value() ? R"("torch_dtype": "float32")" : R"("torch_dtype": "bfloat16")"))
+        << *config_json;
+  }
   for (const auto& [options, stats] : {std::pair(Options(model, 2, 2), f32[0]), std::pair(mixed, bf16[0])}) {
     auto floor = MemoryFloorPerRank(*config, SpecFromTrainOptions(options));
     ASSERT_TRUE(floor.ok()) << floor.status();
