@@ -102,9 +102,22 @@ RankSupervisor::Probe RankSupervisor::PeersToProbe(const std::string& job_id, in
   return probe;
 }
 
-RankSupervisor::Verdict RankSupervisor::ProbePeers(const Probe& probe) {
-  if (probe.calls.empty()) return JudgeProbe(probe, {});
-  return JudgeProbe(probe, client_->Probe(probe.calls, options_.probe_timeout));
+RankSupervisor::Verdict RankSupervisor::ProbePeers(const Probe& probe) { return ProbePeers(std::vector{probe})[0]; }
+
+std::vector<RankSupervisor::Verdict> RankSupervisor::ProbePeers(const std::vector<Probe>& probes) {
+  std::vector<WorkerClient::Call<v1::GetStatusRequest>> calls;
+  for (const Probe& p : probes) calls.insert(calls.end(), p.calls.begin(), p.calls.end());
+  std::vector<absl::Status> answers;
+  if (!calls.empty()) answers = client_->Probe(calls, options_.probe_timeout);
+  answers.resize(calls.size(), absl::UnknownError("no answer from the probe"));  // (a client's answers are one a call)
+  std::vector<Verdict> verdicts;
+  size_t at = 0;
+  for (const Probe& p : probes) {
+    verdicts.push_back(
+        JudgeProbe(p, std::vector<absl::Status>(answers.begin() + at, answers.begin() + at + p.calls.size())));
+    at += p.calls.size();
+  }
+  return verdicts;
 }
 
 RankSupervisor::Verdict RankSupervisor::JudgeProbe(const Probe& probe, const std::vector<absl::Status>& answers) {

@@ -112,6 +112,11 @@ class RankSupervisor {
   // answer, a stopped one does not answer in time) and judges (JudgeProbe).
   // Blocks up to probe_timeout.
   Verdict ProbePeers(const Probe& probe) ABSL_LOCKS_EXCLUDED(mu_);
+  // The same for several jobs' probes, every rank of all of them at once:
+  // one probe_timeout in all, not one a job (a SIGSTOPped worker in each of
+  // several failed jobs held the scheduler's tick for each in turn). The
+  // verdicts in `probes`' order.
+  std::vector<Verdict> ProbePeers(const std::vector<Probe>& probes) ABSL_LOCKS_EXCLUDED(mu_);
   // The verdict from the probe's answers, in its ranks' order. Pure.
   static Verdict JudgeProbe(const Probe& probe, const std::vector<absl::Status>& answers);
 

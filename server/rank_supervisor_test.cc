@@ -22,6 +22,7 @@ class FakeWorkers final : public WorkerClient {
   }
   std::vector<absl::Status> Probe(const std::vector<Call<v1::GetStatusRequest>>& calls, absl::Duration) override {
     absl::MutexLock lock(&mu);
+    ++probe_calls;
     std::vector<absl::Status> out;
     for (const auto& c : calls) {
       probed.push_back(c);
@@ -34,6 +35,7 @@ class FakeWorkers final : public WorkerClient {
   absl::Mutex mu;
   std::vector<Call<v1::AbortJobRequest>> aborted;
   std::vector<Call<v1::GetStatusRequest>> probed;
+  int probe_calls = 0;  // Probe's calls (each of many RPCs at once)
   std::map<std::string, absl::Status> answers;
 };
 
@@ -149,6 +151,31 @@ TEST_F(RankSupervisorTest, ProbesThePeersThatHaveNotEndedButTheFailedRank) {
             "rank 3 (worker w3 at host:7003) does not answer (DEADLINE_EXCEEDED: no answer); first failure reported: "
             "rank 1: ABORTED: peer closed");
   EXPECT_TRUE(v.retryable);
+}
+
+// Several failed jobs' peers are probed in one go (one probe timeout in all,
+// not one a job), and each job is judged by its own peers' answers.
+TEST_F(RankSupervisorTest, SeveralJobsPeersAreProbedAtOnceEachJudgedByItsOwn) {
+  RankSupervisor::Probe a = RankSupervisor::PeersToProbe("a", 1, Mesh(3), Keys(3), {}, 0, "rank 0 of a failed",
+                                                         absl::StatusCode::kInvalidArgument);
+  RankSupervisor::Probe none = RankSupervisor::PeersToProbe("n", 1, Mesh(1), Keys(1), {}, 0, "rank 0 of n failed",
+                                                            absl::StatusCode::kInvalidArgument);
+  RankSupervisor::Probe b = RankSupervisor::PeersToProbe("b", 1, Mesh(3), Keys(3), {}, 0, "rank 0 of b failed",
+                                                         absl::StatusCode::kInvalidArgument);
+  // b's ranks are on other hosts than a's.
+  for (auto& c : b.calls) c.address = "other-" + c.address;
+  for (auto& n : b.names) n = "b's " + n;
+  fake_->answers["other-host:7002"] = absl::DeadlineExceededError("no answer");
+  const std::vector<RankSupervisor::Verdict> v = supervisor_.ProbePeers({a, none, b});
+  EXPECT_EQ(fake_->probe_calls, 1);
+  EXPECT_EQ(fake_->probed.size(), 4u);
+  ASSERT_EQ(v.size(), 3u);
+  EXPECT_EQ(v[0].reason, "rank 0 of a failed");  // its peers answered: its own error, not retried
+  EXPECT_FALSE(v[0].retryable);
+  EXPECT_EQ(v[1].reason, "rank 0 of n failed");  // no peer to probe
+  EXPECT_FALSE(v[1].retryable);
+  EXPECT_TRUE(absl::StartsWith(v[2].reason, "b's rank 2 (worker w2 at host:7002) does not answer")) << v[2].reason;
+  EXPECT_TRUE(v[2].retryable);
 }
 
 TEST(JudgeProbe, AnUnansweredPeerIsTheClustersFailureElseTheCodeDecides) {

@@ -760,8 +760,11 @@ void Scheduler::ProbeFailedJobs() {
                                        p.failure_code));
     }
   }
-  for (const RankSupervisor::Probe& probe : probes) {
-    const RankSupervisor::Verdict verdict = supervisor_.ProbePeers(probe);
+  // Every failed job's ranks at once: one probe timeout in all.
+  const std::vector<RankSupervisor::Verdict> verdicts = supervisor_.ProbePeers(probes);
+  for (size_t i = 0; i < probes.size(); ++i) {
+    const RankSupervisor::Probe& probe = probes[i];
+    const RankSupervisor::Verdict& verdict = verdicts[i];
     JobsLock lock(this);
     auto it = placed_.find(probe.job_id);
     if (it == placed_.end() || it->second.state != PlacementState::kProbing ||
