@@ -353,6 +353,9 @@ TEST(ValidateJobSpec, RejectsBadFieldsByName) {
   s.mutable_train()->set_data_format("csv");
   ExpectInvalid(s, "spec.train.data_format");
   s = TrainSpec();
+  s.mutable_train()->set_final_dtype("f32");
+  ExpectInvalid(s, "spec.train.final_dtype: it is the dtype of final_dir's model");  // no final_dir
+  s.mutable_train()->set_final_dir("/out/final");
   for (const char* dtype : {"", "auto", "f32", "bf16", "f16"}) {
     s.mutable_train()->set_final_dtype(dtype);
     EXPECT_TRUE(ValidateJobSpec(s).ok()) << dtype;

@@ -162,6 +162,9 @@ absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shar
   if (absl::Status dtype = CheckModelDType(t.final_dtype()); !dtype.ok()) {
     return Invalid(path, "final_dtype", dtype.message());
   }
+  if (!t.final_dtype().empty() && t.final_dtype() != "auto" && t.final_dir().empty()) {
+    return Invalid(path, "final_dtype", "it is the dtype of final_dir's model: set final_dir, or leave it empty");
+  }
   if (t.eval_only() && !t.final_dir().empty()) {
     return Invalid(path, "final_dir", "an eval_only run trains nothing and writes no model: leave it empty");
   }

@@ -16,6 +16,7 @@
 #include "common/json.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "spec/job_validation.h"
 #include "worker/colo/tensor_collectives.h"
 #include "worker/shardformer/safetensors.h"
 #include "worker/tensor/dtype.h"
@@ -253,11 +254,11 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> OpenCheckpointFile(const std::s
 }
 
 absl::StatusOr<std::optional<DType>> ParseModelDType(const std::string& name) {
-  if (name.empty() || name == "auto") return std::nullopt;
+  RETURN_IF_ERROR(CheckModelDType(name));  // one of spec's kModelDTypes
   if (name == "f32") return DType::kF32;
   if (name == "bf16") return DType::kBF16;
   if (name == "f16") return DType::kF16;
-  return absl::InvalidArgumentError(absl::StrCat("'", name, "' is not one of auto, f32, bf16, f16"));
+  return std::nullopt;  // "" or "auto"
 }
 
 namespace {
@@ -341,10 +342,12 @@ absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& ou
     written.insert(layout.back().dtype);
   }
   if (written.size() == 1) {  // (a model of several: its config's word is left as it is)
-    // (Its keys in their order: ParseJson bounds the nesting first.)
+    // (Its keys in their order: ParseJson bounds the nesting first.) Newer
+    // transformers write "dtype" and prefer it where both are: both say it.
     if (ParseJson(config).is_object()) {
       nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(config);
       ordered["torch_dtype"] = TorchDTypeName(*written.begin());
+      if (ordered.contains("dtype")) ordered["dtype"] = TorchDTypeName(*written.begin());
       config = ordered.dump(2) + "\n";
     }
   }
@@ -388,24 +391,36 @@ absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& ou
       return Damaged(dir,
                      absl::StrCat("the parameters cover ", filled, " of the ", out.numel(), " elements of ", l.name));
     }
-    return l.dtype == DType::kF32 ? out : out.ToDType(l.dtype);
+    if (l.dtype == DType::kF32) return out;
+    ASSIGN_OR_RETURN(Tensor narrow, out.ToDType(l.dtype));
+    // f16 holds up to 65504: a larger weight would become inf, which no
+    // model colod writes holds (docs/TRAINING.md).
+    if (const int64_t bad = FirstNonFinite(narrow.dtype(), narrow.raw_data(), narrow.numel()); bad >= 0) {
+      return absl::FailedPreconditionError(absl::StrCat(l.name, " does not fit ", SafetensorsDTypeName(l.dtype),
+                                                        ": element ", bad, " is ", out.ToFloats()[bad],
+                                                        " (f16 holds up to 65504); write the model in f32 or bf16"));
+    }
+    return narrow;
   };
-  // The directories of out_dir's path that are not there yet, deepest
-  // first: a failure removes them again (each only where still empty).
+  // The directories of out_dir's path made here, one at a time: a failure
+  // removes them again (deepest first, each only where still empty), and
+  // never one that was there.
   std::vector<std::filesystem::path> made;
   std::error_code ec;
-  for (std::filesystem::path p = std::string(absl::StripSuffix(out_dir, "/"));
-       !p.empty() && !std::filesystem::exists(p, ec); p = p.parent_path()) {
-    made.push_back(p);
+  std::filesystem::path at;
+  for (const std::filesystem::path& part : std::filesystem::path(out_dir).lexically_normal()) {
+    if (part.empty()) continue;
+    at /= part;
+    if (std::filesystem::create_directory(at, ec)) made.insert(made.begin(), at);
+    if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create ", at.string(), ": ", ec.message()));
   }
-  std::filesystem::create_directories(out_dir, ec);
-  if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create ", out_dir, ": ", ec.message()));
-  const std::string model = out_dir + "/model.safetensors";
-  absl::Status s = WriteSafetensorsStreamed(model, layout, make, {{"format", "pt"}});
-  if (s.ok()) {
-    s = WriteFileAtomically(out_dir + "/config.json", config);
-    if (!s.ok()) std::filesystem::remove(model, ec);  // never a model without its config
-  }
+  // config.json goes in place just before the model does (the model's
+  // before_rename): a config that cannot be written leaves the model there
+  // as it was (a restart's earlier one), and a model never arrives without
+  // its config.
+  const absl::Status s =
+      WriteSafetensorsStreamed(out_dir + "/model.safetensors", layout, make, {{"format", "pt"}},
+                               [&] { return WriteFileAtomically(out_dir + "/config.json", config); });
   if (!s.ok()) {
     for (const std::filesystem::path& d : made) std::filesystem::remove(d, ec);
   }

@@ -406,6 +406,17 @@ TEST(Checkpoint, ABf16ModelConsolidatesInBf16) {
   config.erase("torch_dtype");
   original.erase("torch_dtype");
   EXPECT_EQ(config.dump(), original.dump());
+  // A config of newer transformers says "dtype", which they prefer: it says
+  // so too.
+  {
+    nlohmann::ordered_json with_dtype = config_of(checkpoint);
+    with_dtype["dtype"] = "float32";
+    std::ofstream(checkpoint + "/config.json", std::ios::trunc) << with_dtype.dump();
+  }
+  const std::string newer = TempPath("ckb_newer_hf");
+  ASSERT_TRUE(ConsolidateCheckpoint(checkpoint, newer).ok());
+  EXPECT_EQ(config_of(newer)["dtype"], "bfloat16");
+  EXPECT_EQ(config_of(newer)["torch_dtype"], "bfloat16");
   // It loads (at another layout than it was saved at) as the bf16 model.
   ShardConfig two_d = Layout(4, 1, v1::TENSOR_PARALLEL_MODE_2D);
   RunMesh(*DeviceMesh::FromShardConfig(two_d.layout), [&](int, ProcessGroup& pg) {
@@ -453,6 +464,28 @@ TEST(Checkpoint, ABf16ModelConsolidatesInBf16) {
   EXPECT_GT(split, 0);
 }
 
+// f16 holds up to 65504: a model with a larger weight is not written in f16
+// (it would hold inf), and the write says which tensor; in f32 it is.
+TEST(Checkpoint, AWeightPastF16sRangeFailsAnF16Write) {
+  auto model = testing::WriteTinyGpt2(TempPath("ckh_gpt2"));
+  ASSERT_TRUE(model.ok()) << model.status();
+  std::map<std::string, Tensor> tensors = model->tensors;
+  std::vector<float> bias = tensors.at("transformer.ln_f.bias").ToFloats();
+  bias[3] = 1e5f;
+  tensors["transformer.ln_f.bias"] = *Tensor::FromFloats({static_cast<int64_t>(bias.size())}, bias);
+  ASSERT_TRUE(WriteSafetensors(model->dir + "/model.safetensors", {tensors.begin(), tensors.end()}).ok());
+  const std::string checkpoint = TempPath("ckh_sharded");
+  Save(model->dir, Layout(2, 1, v1::TENSOR_PARALLEL_MODE_1D), checkpoint);
+  const absl::Status s = ConsolidateCheckpoint(checkpoint, TempPath("ckh_f16"), DType::kF16);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("transformer.ln_f.bias does not fit F16: element 3 is 100000"), std::string::npos) << s;
+  EXPECT_FALSE(std::filesystem::exists(TempPath("ckh_f16")));
+  ASSERT_TRUE(ConsolidateCheckpoint(checkpoint, TempPath("ckh_f32"), DType::kF32).ok());
+  auto files = ModelFiles::Open(TempPath("ckh_f32"));
+  ASSERT_TRUE(files.ok()) << files.status();
+  EXPECT_EQ((*files)->Read("transformer.ln_f.bias")->ToFloats()[3], 1e5f);
+}
+
 // Two fused parts (2D's c_attn, "weight[0]" and "weight[1]") placed over
 // one range of their Hugging Face tensor, the elements still adding up:
 // refused, not a third of the tensor left zero.
@@ -480,8 +513,14 @@ TEST(Checkpoint, PiecesThatOverlapInTheirHuggingFaceTensorAreRefused) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(s.message().find(" overlaps another's"), std::string::npos) << s;
   // Found while the model was being written: nothing is left, not even
-  // the directories it made.
+  // the directories it made, and none that was there already (a path
+  // through "..": its directories are those of the path made normal).
   EXPECT_FALSE(std::filesystem::exists(TempPath("ck6_out"))) << "left behind";
+  std::filesystem::create_directories(TempPath("ck6_there"));
+  EXPECT_FALSE(ConsolidateCheckpoint(checkpoint, TempPath("ck6_gone") + "/../ck6_there/new").ok());
+  EXPECT_TRUE(std::filesystem::exists(TempPath("ck6_there")));
+  EXPECT_FALSE(std::filesystem::exists(TempPath("ck6_there") + "/new"));
+  EXPECT_FALSE(std::filesystem::exists(TempPath("ck6_gone")));
   std::ofstream(checkpoint + "/" + kCheckpointIndex, std::ios::trunc) << good.dump();
   ASSERT_TRUE(ConsolidateCheckpoint(checkpoint, TempPath("ck6_out")).ok());
   ExpectSameTensors(TempPath("ck6_out"), *model);

@@ -291,7 +291,8 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<std::pa
 
 absl::Status WriteSafetensorsStreamed(const std::string& path, const std::vector<TensorLayout>& layout,
                                       const std::function<absl::StatusOr<Tensor>(size_t i)>& make,
-                                      const std::map<std::string, std::string>& metadata) {
+                                      const std::map<std::string, std::string>& metadata,
+                                      const std::function<absl::Status()>& before_rename) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::set<std::string> names;
@@ -340,7 +341,7 @@ absl::Status WriteSafetensorsStreamed(const std::string& path, const std::vector
         }
         return absl::OkStatus();
       },
-      [] { return absl::OkStatus(); });
+      before_rename != nullptr ? before_rename : [] { return absl::OkStatus(); });
 }
 
 }  // namespace colod::shardformer

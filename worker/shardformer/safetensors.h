@@ -113,9 +113,13 @@ struct TensorLayout {
 // one tensor of it). INVALID_ARGUMENT for a name empty, reserved or
 // repeated, or a tensor made of another dtype or shape than its layout's;
 // `make`'s error is returned. Either way no file is left at `path`.
+// `before_rename` (if given) runs once the file is whole and durable, just
+// before it takes `path`'s place (WriteFileAtomically's): its error leaves
+// `path` as it was.
 absl::Status WriteSafetensorsStreamed(const std::string& path, const std::vector<TensorLayout>& layout,
                                       const std::function<absl::StatusOr<Tensor>(size_t i)>& make,
-                                      const std::map<std::string, std::string>& metadata = {});
+                                      const std::map<std::string, std::string>& metadata = {},
+                                      const std::function<absl::Status()>& before_rename = nullptr);
 
 }  // namespace colod::shardformer
 

@@ -387,6 +387,10 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
     return absl::InvalidArgumentError("final_dir: an eval_only run trains nothing and writes no model");
   }
   RETURN_IF_ERROR(CheckFinalDir(o));
+  if (o.final_dtype.has_value() && *o.final_dtype != DType::kF32 && *o.final_dtype != DType::kBF16 &&
+      *o.final_dtype != DType::kF16) {
+    return absl::InvalidArgumentError("final_dtype: a model is written in f32, bf16 or f16");
+  }
   if (o.eval_every < 0 || o.eval_steps < 0 || o.eval_steps > kMaxEvalSteps) {
     return absl::InvalidArgumentError(absl::StrCat("eval_every ", o.eval_every, " must be >= 0 and eval_steps ",
                                                    o.eval_steps, " in [0, ", kMaxEvalSteps, "]"));
@@ -1118,7 +1122,10 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   if (!o.job.empty()) {  // before the model: a restart after a partial write may write it again
     RETURN_IF_ERROR(WriteFileAtomically(absl::StrCat(o.final_dir, "/", kFinalWriterFile), o.job));
   }
-  RETURN_IF_ERROR(shardformer::ConsolidateCheckpoint(sharded, o.final_dir, o.final_dtype));
+  if (const absl::Status wrote = shardformer::ConsolidateCheckpoint(sharded, o.final_dir, o.final_dtype); !wrote.ok()) {
+    return absl::Status(wrote.code(), absl::StrCat(wrote.message(), "; the trained weights are in ", sharded,
+                                                   " (coloctl consolidate --checkpoint ", sharded, " --out DIR)"));
+  }
   std::error_code ec;
   std::filesystem::remove_all(sharded, ec);
   return absl::OkStatus();
