@@ -615,6 +615,7 @@ absl::StatusOr<bool> Scheduler::Report(const v1::ReportProgressRequest& report, 
       }
       status.set_rank(rank);
       status.set_worker_id(report.worker_id());
+      if (!v1::Precision_IsValid(status.precision())) status.set_precision(v1::PRECISION_UNSPECIFIED);  // a newer one
       status.set_message(Utf8Prefix(status.message(), kMaxReportedMessageBytes));
       status.set_resumed_from(Utf8Prefix(status.resumed_from(), kMaxReportedMessageBytes));
       // A phase is recorded once a rank and generation: a report sent again

@@ -946,15 +946,20 @@ TEST_F(SchedulerTest, TheMfuDividesByThePeakAtThePrecisionRankZeroTrainsAt) {
   const v1::RunSummary& sum = Job(id).summary();
   EXPECT_DOUBLE_EQ(sum.mfu(), sum.mean_tokens_per_second() * sum.model_flops_per_token() / (2 * 50e12));
   // The next attempt's rank 0 said nothing of its precision (an older
-  // worker): the device's default for the spec, bf16 on a GPU.
+  // worker) or one this coordinator does not know (a newer worker, kept in
+  // the history as unspecified): the device's default for the spec, bf16
+  // on a GPU.
   Ended(id, 1, absl::StatusCode::kUnavailable, "connection reset");
   scheduler_->TickForTest();
   Ended(id, 0, absl::StatusCode::kAborted, "aborted");
   scheduler_->TickForTest();
   ASSERT_EQ(Job(id).generation(), 2);
-  training(id, 0, v1::PRECISION_UNSPECIFIED);
+  training(id, 0, static_cast<v1::Precision>(99));
   training(id, 1, v1::PRECISION_UNSPECIFIED);
   EXPECT_EQ(peak_after_step(id, 2), 2 * 800e12);
+  for (const v1::JobEvent& e : Events(id)) {
+    if (e.has_rank_status()) EXPECT_TRUE(v1::Precision_IsValid(e.rank_status().precision())) << e.DebugString();
+  }
   for (int r = 0; r < 2; ++r) Ended(id, r, absl::StatusCode::kOk);
   ASSERT_EQ(Job(id).state(), v1::JOB_STATE_SUCCEEDED);
 

@@ -10,7 +10,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/strip.h"
 #include "common/atomic_file.h"
 #include "common/int_math.h"
 #include "common/json.h"
@@ -412,7 +411,11 @@ absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& ou
     if (part.empty()) continue;
     at /= part;
     if (std::filesystem::create_directory(at, ec)) made.insert(made.begin(), at);
-    if (ec) return absl::FailedPreconditionError(absl::StrCat("cannot create ", at.string(), ": ", ec.message()));
+    if (ec) {
+      const std::string why = ec.message();
+      for (const std::filesystem::path& d : made) std::filesystem::remove(d, ec);
+      return absl::FailedPreconditionError(absl::StrCat("cannot create ", at.string(), ": ", why));
+    }
   }
   // config.json goes in place just before the model does (the model's
   // before_rename): a config that cannot be written leaves the model there
