@@ -943,7 +943,7 @@ TEST_F(SchedulerTest, TheMfuDividesByThePeakAtThePrecisionRankZeroTrainsAt) {
   training(id, 0, v1::PRECISION_FP32);
   training(id, 1, v1::PRECISION_FP16_MIXED);  // not rank 0's: the peak stays fp32's
   EXPECT_EQ(peak_after_step(id, 1), 2 * 50e12);
-  const v1::RunSummary& sum = Job(id).summary();
+  const v1::RunSummary sum = Job(id).summary();
   EXPECT_DOUBLE_EQ(sum.mfu(), sum.mean_tokens_per_second() * sum.model_flops_per_token() / (2 * 50e12));
   // The next attempt's rank 0 said nothing of its precision (an older
   // worker) or one this coordinator does not know (a newer worker, kept in
