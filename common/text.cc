@@ -42,12 +42,16 @@ constexpr absl::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD
 
 }  // namespace
 
+std::string EscapedPrefix(absl::string_view text, size_t max) {
+  return text.size() > max ? absl::StrCat(absl::CHexEscape(text.substr(0, max)), "...") : absl::CHexEscape(text);
+}
+
 std::string UnreadTensorsNote(int64_t count, const std::vector<std::string>& names) {
   constexpr size_t kNamed = 8;
   std::vector<std::string> named(names.begin(), names.begin() + std::min(names.size(), kNamed));
   const int64_t more = count - static_cast<int64_t>(named.size());
   // (Names from a file's header, escaped: they may reach a terminal.)
-  for (std::string& n : named) n = absl::CHexEscape(n.substr(0, kMaxUnreadTensorNameBytes));
+  for (std::string& n : named) n = EscapedPrefix(n, kMaxUnreadTensorNameBytes);
   return absl::StrCat(kUnreadTensors, count,
                       " (not this model's: another model's head, or a config.json of fewer layers than the "
                       "weights?): ",

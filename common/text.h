@@ -53,6 +53,12 @@ std::string ValidUtf8(absl::string_view text);
 // Whether `text` is well-formed UTF-8 (ValidUtf8 would leave it as it is).
 bool IsValidUtf8(absl::string_view text);
 
+// `text` from input (a name in a file's header, a request's field) as an
+// error quotes it: its first `max` bytes C-escaped (a control byte or a
+// stray byte cannot reach a terminal or break a proto `string`), "..."
+// after them where it was longer.
+std::string EscapedPrefix(absl::string_view text, size_t max);
+
 // ValidUtf8(text), cut to at most `max` bytes (max >= 3) at a character's
 // start, "..." ending what was cut.
 std::string Utf8Prefix(absl::string_view text, size_t max);

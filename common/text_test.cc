@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "gtest/gtest.h"
 
 namespace colod {
@@ -75,6 +76,25 @@ TEST(Text, APrefixIsCutAtACharactersStartAndMarked) {
     EXPECT_LE(p.size(), max);
     EXPECT_TRUE(WellFormed(p)) << max;
   }
+}
+
+// Input quoted in an error: every byte that is not printable ASCII
+// escaped (a terminal's escape sequence, a stray byte, a NUL), the quote
+// cut at `max` input bytes and marked.
+TEST(Text, AnEscapedPrefixIsPrintableAsciiCutAndMarked) {
+  EXPECT_EQ(EscapedPrefix("bf16", 64), "bf16");
+  const std::string raw("a\x1b[2Jb\0c\xff'\"\n", 12);
+  const std::string escaped = EscapedPrefix(raw, 64);
+  for (char c : escaped) EXPECT_TRUE(c >= 0x20 && c < 0x7f) << static_cast<int>(c);
+  std::string back;
+  ASSERT_TRUE(absl::CUnescape(escaped, &back));
+  EXPECT_EQ(back, raw);  // nothing lost
+  EXPECT_EQ(EscapedPrefix("abcdef", 3), "abc...");
+  EXPECT_EQ(EscapedPrefix("abc", 3), "abc");
+  const std::string hostile = std::string(1 << 20, '\x1b');
+  const std::string quoted = EscapedPrefix(hostile, 128);
+  EXPECT_EQ(quoted.size(), 128 * 4 + 3);
+  for (char c : quoted) EXPECT_TRUE(c >= 0x20 && c < 0x7f) << static_cast<int>(c);
 }
 
 // Rank 0's TRAINING message: each part where there is one, the unread note

@@ -90,9 +90,7 @@ std::map<v1::Precision, double> PlacedPeakFlops(const v1::JobSpec& spec, const v
   }
   std::map<v1::Precision, double> peaks = {{v1::PRECISION_UNSPECIFIED, PeakFlopsOf(spec, devices)}};
   for (v1::Precision p : {v1::PRECISION_FP32, v1::PRECISION_BF16_MIXED, v1::PRECISION_FP16_MIXED}) {
-    v1::JobSpec at = spec;
-    at.mutable_train()->set_precision(p);
-    peaks[p] = PeakFlopsOf(at, devices);
+    peaks[p] = PeakFlopsOf(p, spec.train().allow_tf32(), devices);
   }
   return peaks;
 }

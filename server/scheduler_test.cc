@@ -958,7 +958,9 @@ TEST_F(SchedulerTest, TheMfuDividesByThePeakAtThePrecisionRankZeroTrainsAt) {
   training(id, 1, v1::PRECISION_UNSPECIFIED);
   EXPECT_EQ(peak_after_step(id, 2), 2 * 800e12);
   for (const v1::JobEvent& e : Events(id)) {
-    if (e.has_rank_status()) EXPECT_TRUE(v1::Precision_IsValid(e.rank_status().precision())) << e.DebugString();
+    if (e.has_rank_status()) {
+      EXPECT_TRUE(v1::Precision_IsValid(e.rank_status().precision())) << e.DebugString();
+    }
   }
   for (int r = 0; r < 2; ++r) Ended(id, r, absl::StatusCode::kOk);
   ASSERT_EQ(Job(id).state(), v1::JOB_STATE_SUCCEEDED);

@@ -405,7 +405,8 @@ absl::Status CheckDataFormat(const std::string& format) {
     if (format == known) return absl::OkStatus();
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("'", format, "' is not one of ", absl::StrJoin(std::begin(kDataFormats), std::end(kDataFormats), ", ")));
+      absl::StrCat("'", EscapedPrefix(format, 64), "' is not one of ",
+                   absl::StrJoin(std::begin(kDataFormats), std::end(kDataFormats), ", ")));
 }
 
 absl::Status CheckModelDType(const std::string& dtype) {
@@ -413,8 +414,9 @@ absl::Status CheckModelDType(const std::string& dtype) {
   for (const char* known : kModelDTypes) {
     if (dtype == known) return absl::OkStatus();
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "'", dtype, "' is not one of ", absl::StrJoin(std::begin(kModelDTypes), std::end(kModelDTypes), ", ")));
+  return absl::InvalidArgumentError(
+      absl::StrCat("'", EscapedPrefix(dtype, 64), "' is not one of ",
+                   absl::StrJoin(std::begin(kModelDTypes), std::end(kModelDTypes), ", ")));
 }
 
 namespace {

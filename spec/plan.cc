@@ -353,12 +353,15 @@ absl::StatusOr<double> TrainFlopsPerToken(const ModelConfig& c, int64_t seq_len)
 }
 
 double PeakFlopsOf(const v1::JobSpec& spec, const std::vector<v1::WorkerInfo>& devices) {
+  return PeakFlopsOf(spec.train().precision(), spec.train().allow_tf32(), devices);
+}
+
+double PeakFlopsOf(v1::Precision precision, bool tf32, const std::vector<v1::WorkerInfo>& devices) {
   double sum = 0;
   for (const v1::WorkerInfo& d : devices) {
     const v1::DevicePeak& p = d.peak();
-    const bool tf32 = spec.train().allow_tf32();
     double peak = 0;
-    switch (spec.train().precision()) {
+    switch (precision) {
       case v1::PRECISION_BF16_MIXED:
         peak = p.bf16();
         break;

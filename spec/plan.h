@@ -195,6 +195,9 @@ absl::StatusOr<double> TrainFlopsPerToken(const ModelConfig& config, int64_t seq
 // chooses). 0 when a device's peak is not known, not finite or not
 // positive, or for no devices: no MFU rather than a wrong one.
 double PeakFlopsOf(const v1::JobSpec& spec, const std::vector<v1::WorkerInfo>& devices);
+// The same at `precision` in place of the spec's (a run at auto that
+// resumed a checkpoint of another precision trains at that one's).
+double PeakFlopsOf(v1::Precision precision, bool allow_tf32, const std::vector<v1::WorkerInfo>& devices);
 
 // "tp2 x dp2 1d", "tp8 x dp1 2.5d depth 2", "tp1 x pp2v2 x dp1 1d" (2 model
 // chunks a pipeline rank), with " sp" for sequence

@@ -12,7 +12,6 @@
 
 #include "absl/algorithm/container.h"
 #include "absl/strings/ascii.h"
-#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -176,7 +175,7 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
       })) {
     return absl::InvalidArgumentError(absl::StrCat("job_id: at most ", kMaxJobIdBytes,
                                                    " letters, digits, '-' and '_', not '",
-                                                   absl::CHexEscape(req.job_id().substr(0, 40)), "'"));
+                                                   EscapedPrefix(req.job_id(), 40), "'"));
   }
   if (req.spec().kind() != v1::JOB_KIND_TRAIN && req.spec().kind() != v1::JOB_KIND_FORWARD &&
       req.spec().kind() != v1::JOB_KIND_TENSOR) {
@@ -187,8 +186,8 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
   // Job.uid: lowercase hex (it joins the job id in the checkpoints' writer,
   // and a '_' in it could make two jobs' writers one).
   if (req.job_uid().size() > 32 || req.job_uid().find_first_not_of("0123456789abcdef") != std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat("job_uid: at most 32 lowercase hex digits, not '",
-                                                   absl::CHexEscape(req.job_uid().substr(0, 40)), "'"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("job_uid: at most 32 lowercase hex digits, not '", EscapedPrefix(req.job_uid(), 40), "'"));
   }
   // The mesh is the one the coordinator sends; it must be the shard
   // config's.

@@ -14,6 +14,7 @@
 #include "common/int_math.h"
 #include "common/json.h"
 #include "common/status_macros.h"
+#include "common/text.h"
 #include "nlohmann/json.hpp"
 #include "spec/job_validation.h"
 #include "worker/colo/tensor_collectives.h"
@@ -246,8 +247,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> OpenCheckpointFile(const std::s
   ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> f, SafetensorsFile::Open(path));
   if (!f->unreadable().empty()) {
     const auto& [name, dtype] = *f->unreadable().begin();
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": tensor ", name, " is ", dtype, ", a dtype colod's checkpoints never hold"));
+    return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", EscapedPrefix(name, kMaxUnreadTensorNameBytes),
+                                                   "' is ", dtype, ", a dtype colod's checkpoints never hold"));
   }
   return f;
 }
@@ -260,6 +261,8 @@ absl::StatusOr<std::optional<DType>> ParseModelDType(const std::string& name) {
   return std::nullopt;  // "" or "auto"
 }
 
+bool IsModelDType(DType dtype) { return dtype == DType::kF32 || dtype == DType::kBF16 || dtype == DType::kF16; }
+
 namespace {
 
 // Hugging Face's name of a model dtype (config.json's torch_dtype).
@@ -270,7 +273,7 @@ const char* TorchDTypeName(DType dtype) {
 }  // namespace
 
 absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir, std::optional<DType> dtype) {
-  if (dtype.has_value() && *dtype != DType::kF32 && *dtype != DType::kBF16 && *dtype != DType::kF16) {
+  if (dtype.has_value() && !IsModelDType(*dtype)) {
     return absl::InvalidArgumentError("a model is written in f32, bf16 or f16");
   }
   // Both destinations before anything is read or written: never new weights

@@ -76,6 +76,8 @@ absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, Ran
 // "auto" is nullopt, each tensor in its parameters' own; "f32", "bf16",
 // "f16"); INVALID_ARGUMENT for another.
 absl::StatusOr<std::optional<DType>> ParseModelDType(const std::string& name);
+// Whether a model is written in `dtype` (f32, bf16, f16).
+bool IsModelDType(DType dtype);
 
 // Assembles the sharded checkpoint in `dir` into `out_dir` (created if
 // needed): config.json and one model.safetensors with every tensor under its

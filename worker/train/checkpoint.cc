@@ -20,7 +20,6 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/ascii.h"
-#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -34,6 +33,7 @@
 #include "common/limits.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "common/text.h"
 #include "nlohmann/json.hpp"
 #include "worker/colo/tensor_collectives.h"
 #include "worker/shardformer/checkpoint.h"
@@ -61,7 +61,7 @@ absl::Status CheckpointWriter::Check() const {
   if (generation < 0) return absl::InvalidArgumentError(absl::StrCat("checkpoint generation ", generation, " < 0"));
   if (!ValidJobName(job)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("checkpoint job '", absl::CHexEscape(job.substr(0, 128)),
+        absl::StrCat("checkpoint job '", EscapedPrefix(job, 128),
                      "': at most 128 letters, digits, '-' and '_' (it names a directory)"));
   }
   if (lineage.size() > kMaxCheckpointLineage) {
@@ -70,8 +70,7 @@ absl::Status CheckpointWriter::Check() const {
   }
   for (const std::string& w : lineage) {
     if (!ValidJobName(w)) {
-      return absl::InvalidArgumentError(absl::StrCat("checkpoint lineage names job '",
-                                                     absl::CHexEscape(w.substr(0, 128)),
+      return absl::InvalidArgumentError(absl::StrCat("checkpoint lineage names job '", EscapedPrefix(w, 128),
                                                      "': at most 128 letters, digits, '-' and '_'"));
     }
   }

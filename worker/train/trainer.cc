@@ -387,8 +387,7 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
     return absl::InvalidArgumentError("final_dir: an eval_only run trains nothing and writes no model");
   }
   RETURN_IF_ERROR(CheckFinalDir(o));
-  if (o.final_dtype.has_value() && *o.final_dtype != DType::kF32 && *o.final_dtype != DType::kBF16 &&
-      *o.final_dtype != DType::kF16) {
+  if (o.final_dtype.has_value() && !shardformer::IsModelDType(*o.final_dtype)) {
     return absl::InvalidArgumentError("final_dtype: a model is written in f32, bf16 or f16");
   }
   if (o.eval_every < 0 || o.eval_steps < 0 || o.eval_steps > kMaxEvalSteps) {
