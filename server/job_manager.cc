@@ -445,7 +445,9 @@ void JobManager::FlushStale() {
     absl::MutexLock lock(&mu_);
     const absl::Time now = clock_->Now();
     for (auto& [id, e] : jobs_) {
-      if (e.unwritten && now - e.persisted >= kStepWriteInterval) writes.push_back(TakeRecordLocked(e));
+      const absl::Duration wait =
+          std::min(kStepWriteInterval * (int64_t{1} << std::min(e.write_failures, 6)), kMaxWriteRetryInterval);
+      if (e.unwritten && now - e.persisted >= wait) writes.push_back(TakeRecordLocked(e));
     }
   }
   for (const auto& w : writes) (void)WriteRecord(w);  // logged
@@ -539,7 +541,7 @@ absl::Status JobManager::WriteRecord(const std::optional<RecordWrite>& w) {
     s = WriteRecordEvents(*w, &events);
     if (s.ok()) COLOD_LOG(INFO) << "job " << w->job_id << " recorded in the room made for it";
   }
-  Publish(w->job_id, events);
+  AfterWrite(w->job_id, events, s.ok());
   return s;
 }
 
@@ -639,12 +641,20 @@ void JobManager::AppendEventLocked(Entry& e, const v1::JobEvent& ev) {
   if (state_dir_.empty()) e.published = e.events.size();  // nothing to write: nothing a crash takes back
 }
 
-void JobManager::Publish(const std::string& job_id, size_t events) {
+void JobManager::AfterWrite(const std::string& job_id, size_t events, bool written) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return;
   Entry& e = it->second;
   e.published = std::max(e.published, std::min(events, e.events.size()));
+  if (written) {
+    e.write_failures = 0;
+    return;
+  }
+  // Not on disk: FlushStale tries again (a later change's write, should one
+  // come first, takes this one's too).
+  e.unwritten = true;
+  e.write_failures = std::min(e.write_failures + 1, 1 << 20);
 }
 
 v1::JobEvent JobManager::NewEventLocked(const Entry& e) {

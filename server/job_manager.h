@@ -237,10 +237,15 @@ class JobManager {
   void Flush() ABSL_LOCKS_EXCLUDED(mu_, io_mu_);
   // Writes the changes that have waited kStepWriteInterval or longer: the
   // last steps of a job that reports no more for now, which watchers see
-  // only once written. The coordinator calls it several times a second.
+  // only once written. The coordinator calls it several times a second. A
+  // change whose write failed (a CancelJob's, a job's end, on a full disk)
+  // is tried again here, after kStepWriteInterval doubled for each failure
+  // in a row up to kMaxWriteRetryInterval: a coordinator that restarts
+  // after the disk had room again finds it.
   void FlushStale() ABSL_LOCKS_EXCLUDED(mu_, io_mu_);
   // How long a step may wait to be written (AddStep).
   static constexpr absl::Duration kStepWriteInterval = absl::Seconds(1);
+  static constexpr absl::Duration kMaxWriteRetryInterval = absl::Seconds(64);
   // Bytes written to job records (snapshots and log entries) since Open.
   int64_t RecordBytesWritten();
   // A job's log (WriteRecord) is folded into a new snapshot once it holds
@@ -289,6 +294,9 @@ class JobManager {
     absl::Time persisted = absl::InfinitePast();  // when its record was last taken for writing
     int64_t record_seq = 0;                       // the newest record's number (JobRecord.record_seq)
     bool unwritten = false;                       // changed since its record was last taken (Flush)
+    // Record writes that failed in a row (a full or broken disk): the
+    // change waits for FlushStale, which tries again less often each time.
+    int write_failures = 0;
     size_t published = 0;                         // events watchers may see: written (WaitForEvents)
     StepSet trained_steps;                        // the steps its events record
     // When it first ran (its history's first RUNNING), once looked up.
@@ -337,8 +345,11 @@ class JobManager {
   // then append (AppendEventLocked).
   v1::JobEvent NewEventLocked(const Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AppendEventLocked(Entry& e, const v1::JobEvent& ev) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Lets watchers see the first `events` events of `job_id` (written).
-  void Publish(const std::string& job_id, size_t events) ABSL_LOCKS_EXCLUDED(mu_);
+  // After a write of `job_id`'s record that took its first `events`
+  // events: lets watchers see them (written, or where it failed, never
+  // hidden from them for good), and marks the job unwritten where it
+  // failed (FlushStale).
+  void AfterWrite(const std::string& job_id, size_t events, bool written) ABSL_LOCKS_EXCLUDED(mu_);
   // The summary's wall time: the first RUNNING event to now.
   void UpdateWallTimeLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // AddStep's change of the entry (whether to write the record now).

@@ -1597,6 +1597,56 @@ TEST(JobManager, AFullDiskAsksForRoomSoThatWhatWatchersSeeIsOnDisk) {
   EXPECT_EQ(asked, 1);
 }
 
+// A change whose record cannot be written (a CancelJob on a full disk)
+// stands, and reaches the disk once the disk has room: FlushStale tries
+// again, the wait doubling with each failure, so that a coordinator that
+// restarts then finds the job cancelled, not running (which it would
+// restart).
+TEST(JobManager, AChangeThatCannotBeWrittenIsWrittenOnceTheDiskHasRoom) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-retry";
+  std::filesystem::remove_all(dir);
+  FakeClock clock;
+  std::string id;
+  {
+    auto jobs = JobManager::Open(dir, &clock);
+    ASSERT_TRUE(jobs.ok()) << jobs.status();
+    id = (*jobs)->Submit(TrainSpec(), "")->job_id();
+    ASSERT_TRUE((*jobs)->Schedule(id, v1::MeshSpec()).ok());
+    ASSERT_TRUE((*jobs)->SetState(id, v1::JOB_STATE_RUNNING, "go").ok());
+    auto on_disk = [&] { return JobManager::ReadRecord(dir, id)->job().state(); };
+    {
+      testing::FullDisk disk(16);
+      const absl::StatusOr<v1::Job> cancelled = (*jobs)->Cancel(id, "stop");
+      ASSERT_TRUE(cancelled.ok()) << cancelled.status();
+      EXPECT_EQ(cancelled->state(), v1::JOB_STATE_CANCELLED);
+      EXPECT_EQ((*jobs)->Get(id)->state(), v1::JOB_STATE_CANCELLED) << "the cancel stands";
+      EXPECT_EQ(on_disk(), v1::JOB_STATE_RUNNING);
+      clock.Advance(JobManager::kStepWriteInterval);
+      (*jobs)->FlushStale();  // one failure: it waits twice the interval
+      EXPECT_EQ(on_disk(), v1::JOB_STATE_RUNNING);
+      clock.Advance(JobManager::kStepWriteInterval);
+      (*jobs)->FlushStale();  // tried, and failed again: four times the interval now
+      EXPECT_EQ(on_disk(), v1::JOB_STATE_RUNNING);
+    }
+    clock.Advance(3 * JobManager::kStepWriteInterval);
+    (*jobs)->FlushStale();
+    EXPECT_EQ(on_disk(), v1::JOB_STATE_RUNNING) << "tried again before its wait";
+    clock.Advance(JobManager::kStepWriteInterval);
+    (*jobs)->FlushStale();
+    EXPECT_EQ(on_disk(), v1::JOB_STATE_CANCELLED);
+    // Written: it waits for no further try.
+    int writes = 0;
+    (*jobs)->SetBeforeWriteForTest([&](const std::string&) { ++writes; });
+    clock.Advance(JobManager::kMaxWriteRetryInterval);
+    (*jobs)->FlushStale();
+    EXPECT_EQ(writes, 0);
+    (*jobs)->SetBeforeWriteForTest(nullptr);
+  }
+  auto reopened = JobManager::Open(dir, &clock);
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  EXPECT_EQ((*reopened)->Get(id)->state(), v1::JOB_STATE_CANCELLED);
+}
+
 TEST(JobManager, RecordsSurviveAReopenAndRunningJobsRestartOrFailWithTheirCheckpoint) {
   const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/jobs-reopen";
   FakeClock clock;
