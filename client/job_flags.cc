@@ -117,11 +117,12 @@ ABSL_FLAG(std::string, resume, "",
           "this checkpoint (DIR/step-N, e.g. the best one `coloctl checkpoints` lists).");
 ABSL_FLAG(int64_t, stop_after, 0, "train: stop after this step (a time-boxed run to --resume later).");
 ABSL_FLAG(std::string, final, "", "train: write the trained model here as a Hugging Face directory.");
-ABSL_FLAG(std::string, final_dtype, "auto",
-          "train: the dtype of --final's model: auto (each tensor in the dtype it trained in: bf16 after a bf16 run), "
-          "f32 (for readers without bf16, such as numpy; after a bf16 run its bf16 weights widened, not the "
-          "optimizer's f32 master copy), bf16 or f16 (an fp32 run's weights rounded; f16 fails the write where a "
-          "weight passes 65504).");
+ABSL_FLAG(
+    std::string, final_dtype, "auto",
+    "train: the dtype of --final's model: auto (each tensor in the dtype it trained in: bf16 after a bf16 run), "
+    "f32 (for readers without bf16, such as numpy; after a bf16 run the optimizer's f32 master weights, of "
+    "which its bf16 weights are the rounding), bf16 or f16 (an fp32 run's weights rounded; f16 fails the write where a "
+    "weight passes 65504).");
 ABSL_FLAG(std::string, dtype, "auto",
           "consolidate: the model's dtype: auto (each tensor in the dtype its parameters were saved in: a bf16 "
           "run's model is bf16), f32, bf16 or f16.");

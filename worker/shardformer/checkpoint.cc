@@ -77,7 +77,9 @@ bool SameStage(const DeviceMesh& mesh, int rank, int me) {
 
 // The index of this rank's stage's parameters (every parameter, without
 // stages); a stage's mirror of another's table is left to its owner.
-absl::StatusOr<Json> IndexOf(ShardedModel& model) {
+// `saved`: the dtype every part was written in where not the parameters'
+// (RankParts::dtype).
+absl::StatusOr<Json> IndexOf(ShardedModel& model, std::optional<DType> saved) {
   const DeviceMesh& mesh = model.process_group()->mesh();
   const int world = mesh.world_size(), me = model.process_group()->rank();
   Json axes = Json::array();
@@ -111,7 +113,7 @@ absl::StatusOr<Json> IndexOf(ShardedModel& model) {
     }
     tensors[p.name] = {
         {"global_shape", param.global_shape()},
-        {"dtype", SafetensorsDTypeName(param.local().dtype())},
+        {"dtype", SafetensorsDTypeName(saved.value_or(param.local().dtype()))},
         {"dist_spec", param.spec().ToString()},
         {"placements", PlacementsJson(param.spec())},
         {"hf",
@@ -128,7 +130,6 @@ absl::StatusOr<Json> IndexOf(ShardedModel& model) {
   return index;
 }
 
-
 absl::Status Damaged(const std::string& dir, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat("checkpoint ", dir, ": ", what));
 }
@@ -140,31 +141,46 @@ absl::Status SaveShardedCheckpoint(ShardedModel& model, const std::string& dir) 
 }
 
 absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, const std::string& dir) {
+  return SaveShardedCheckpoint(chunks, dir, nullptr);
+}
+
+absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, const std::string& dir,
+                                   const PartValues* values) {
   if (chunks.empty()) return absl::InvalidArgumentError("a checkpoint of no model chunk");
   // Every rank learns whether every rank took its part (weights that are
   // not finite fail on the ranks that own them) before any writes.
-  absl::StatusOr<RankParts> parts = TakeRankParts(chunks);
+  absl::StatusOr<RankParts> parts = TakeRankParts(chunks, values);
   RETURN_IF_ERROR(AgreeOverMesh(
       *chunks.front()->process_group(), parts.status(), chunks.front()->shard_config().device,
       absl::StrCat("the checkpoint in ", dir, " was not saved: another rank could not take its part of the weights")));
   return SaveShardedCheckpoint(chunks, *std::move(parts), dir);
 }
 
-absl::StatusOr<RankParts> TakeRankParts(const std::vector<ShardedModel*>& chunks) {
+absl::StatusOr<RankParts> TakeRankParts(const std::vector<ShardedModel*>& chunks, const PartValues* values) {
   if (chunks.empty()) return absl::InvalidArgumentError("a checkpoint of no model chunk");
   ProcessGroup* pg = chunks.front()->process_group();
   const DeviceMesh& mesh = pg->mesh();
   const int rank = pg->rank();
   NoGradScope no_grad;
   RankParts mine;
+  if (values != nullptr) mine.dtype = values->dtype;
   std::set<std::string> names;
   for (ShardedModel* chunk : chunks) {
     for (const NamedParam& p : chunk->Parameters()) {
       if (p.mirror) continue;  // the table's owner writes it (a rank may hold it and a mirror of it)
       if (!names.insert(p.name).second) return absl::InternalError(absl::StrCat("two parameters are named ", p.name));
       ASSIGN_OR_RETURN(bool owns, Owns(p.bound.param.spec(), mesh, rank));
+      Tensor value = p.bound.param.local();
+      if (values != nullptr) {
+        ASSIGN_OR_RETURN(value, values->of(p, owns));
+        if (owns && (value.dtype() != values->dtype || value.shape() != p.bound.param.local().shape())) {
+          return absl::InternalError(absl::StrCat("the value written of ", p.name, " is ", DTypeName(value.dtype()),
+                                                  ShapeToString(value.shape()), ", not ", DTypeName(values->dtype),
+                                                  ShapeToString(p.bound.param.local().shape())));
+        }
+      }
       if (!owns) continue;
-      ASSIGN_OR_RETURN(Tensor host, p.bound.param.local().To(Device::Cpu()));
+      ASSIGN_OR_RETURN(Tensor host, value.To(Device::Cpu()));
       Tensor part = host.Contiguous();  // on the host: fails only without host memory
       if (const int64_t at = FirstNonFinite(part.dtype(), part.raw_data(), part.numel()); at >= 0) {
         return absl::FailedPreconditionError(absl::StrCat(
@@ -212,7 +228,7 @@ absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, Ran
   auto part = [&](int stage) { return absl::StrFormat("%s/index-stage-%05d.json", dir, stage); };
   if (stages > 1 && stage_leader) {
     for (ShardedModel* chunk : chunks) {
-      absl::StatusOr<Json> fragment = IndexOf(*chunk);
+      absl::StatusOr<Json> fragment = IndexOf(*chunk, parts.dtype);
       wrote = fragment.ok() ? WriteFileAtomically(part(chunk->shard_config().stage.index), fragment->dump())
                             : fragment.status();
       if (!wrote.ok()) break;
@@ -221,7 +237,7 @@ absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, Ran
   if (stages > 1) RETURN_IF_ERROR(AgreeOverMesh(*pg, wrote, device, peer_failed));
   // Rank 0 joins the index; the others wait for it in the last agreement.
   const auto join_index = [&]() -> absl::Status {
-    ASSIGN_OR_RETURN(Json index, IndexOf(model));
+    ASSIGN_OR_RETURN(Json index, IndexOf(model, parts.dtype));
     for (int s = 1; s < stages; ++s) {
       ASSIGN_OR_RETURN(std::string text, ReadFileToString(part(s)));
       const Json fragment = ParseJson(text);

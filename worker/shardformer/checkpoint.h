@@ -23,6 +23,7 @@
 #ifndef COLOD_WORKER_SHARDFORMER_CHECKPOINT_H_
 #define COLOD_WORKER_SHARDFORMER_CHECKPOINT_H_
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -52,18 +53,36 @@ absl::Status SaveShardedCheckpoint(ShardedModel& model, const std::string& dir);
 // them, the index of every virtual stage.
 absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, const std::string& dir);
 
+// Values written in place of the parameters' own (the f32 master weights of
+// a mixed-precision run, for its final model). `of` is called for each
+// parameter the chunks hold (not mirrors), in the same order on every rank
+// of the mesh, whether or not this rank writes it (`owns`), so that it may
+// be collective; where `owns`, what it returns (the parameter's local
+// shape, in `dtype`) is written, and the index says `dtype`.
+struct PartValues {
+  DType dtype = DType::kF32;
+  std::function<absl::StatusOr<Tensor>(const NamedParam& param, bool owns)> of;
+};
+// SaveShardedCheckpoint of `values` (nullptr: the parameters' own).
+absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, const std::string& dir,
+                                   const PartValues* values);
+
 // One rank's parts of the parameters it writes, copied to the host: what
 // SaveShardedCheckpoint writes into the rank's file.
 struct RankParts {
   std::vector<std::pair<std::string, Tensor>> tensors;
+  // Every rank's parts are in it, where they are not the parameters' dtype
+  // (PartValues).
+  std::optional<DType> dtype;
 };
-// Takes them from the chunks (not collective). FAILED_PRECONDITION naming
+// Takes them from the chunks (collective only as `values->of` is), or from
+// `values` where given. FAILED_PRECONDITION naming
 // the first element that is not finite (an update that overflowed, its
 // step's loss and gradients finite): such weights are never saved, since a
 // restart would resume from them and retention would drop the good
 // checkpoints. Only the ranks that write a parameter check it: the mesh
 // agrees on every rank's outcome (AgreeOverMesh) before any rank writes.
-absl::StatusOr<RankParts> TakeRankParts(const std::vector<ShardedModel*>& chunks);
+absl::StatusOr<RankParts> TakeRankParts(const std::vector<ShardedModel*>& chunks, const PartValues* values = nullptr);
 // SaveShardedCheckpoint of parts TakeRankParts took from the same chunks,
 // once every rank of the mesh agreed that every rank took its parts
 // (AgreeOverMesh of TakeRankParts' status: a rank that returned on its

@@ -97,6 +97,15 @@ class Optimizer {
     Tensor value;
   };
   std::vector<StateTensor> State();
+  // Parameter `param`'s weights in f32, its local shape, on its device: the
+  // master copy where it is held in 16 bits (mixed precision: what the
+  // updates run on, of which the parameter is a rounding), else the
+  // parameter itself. With ZeRO the master copy's slices are spread over
+  // dp: each rank's are summed over the dp group (zeros elsewhere, so the
+  // sum is exact), a collective every dp rank calls for the same
+  // parameters in the same order; a parameter kept whole on every dp rank
+  // needs none. For the final model (TrainOptions::final_dtype f32).
+  absl::StatusOr<Tensor> F32Weights(size_t param, ProcessGroup* pg) const;
   int64_t state_bytes() const;
   const std::vector<shardformer::NamedParam>& params() const { return params_; }
   const Partition& partition() const { return partition_; }

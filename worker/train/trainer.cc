@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -1110,7 +1111,20 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   }
   if (o.final_dir.empty()) return absl::OkStatus();
   const std::string sharded = o.final_dir + "/.sharded";
-  RETURN_IF_ERROR(shardformer::SaveShardedCheckpoint(chunks, sharded));
+  // An f32 model of a mixed-precision run is its f32 master weights (what
+  // the updates ran on), not its 16-bit parameters widened.
+  std::optional<shardformer::PartValues> masters;
+  absl::flat_hash_map<absl::string_view, size_t> index;  // of the optimizer's parameters, by name
+  if (o.final_dtype == DType::kF32 && shard.param_dtype != DType::kF32) {
+    for (size_t i = 0; i < optimizer.params().size(); ++i) index.emplace(optimizer.params()[i].name, i);
+    masters.emplace();
+    masters->of = [&](const shardformer::NamedParam& p, bool) -> absl::StatusOr<Tensor> {
+      auto it = index.find(p.name);
+      if (it == index.end()) return absl::InternalError(absl::StrCat(p.name, " is not the optimizer's"));
+      return optimizer.F32Weights(it->second, &pg);
+    };
+  }
+  RETURN_IF_ERROR(shardformer::SaveShardedCheckpoint(chunks, sharded, masters.has_value() ? &*masters : nullptr));
   if (rank != 0) return absl::OkStatus();
   // Checked again: a model may have come there during the run. The
   // trained weights stay in `sharded` then (a checkpoint to consolidate).

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -993,29 +994,62 @@ TEST(Trainer, MixedPrecisionTracksTheF32RunWithF32MasterWeights) {
   auto config = shardformer::LoadConfig(model);
   ASSERT_TRUE(config.ok()) << config.status();
   // Its final model is bf16 (the parameters it trained, not widened), or
-  // F32 where the run asks (TrainConfig.final_dtype, through the spec).
-  for (const std::optional<DType> want : {std::optional<DType>(), std::optional<DType>(DType::kF32)}) {
-    TrainOptions o = mixed;
-    o.steps = 1;
-    o.final_dir = TempPath(want.has_value() ? "train_bf16_final_f32" : "train_bf16_final");
-    o.final_dtype = want;
-    v1::JobSpec spec = SpecFromTrainOptions(o);
-    EXPECT_EQ(spec.train().final_dtype(), want.has_value() ? "f32" : "");
-    auto from_spec = TrainOptionsFromSpec(spec, model, /*cuda=*/false);
-    ASSERT_TRUE(from_spec.ok()) << from_spec.status();
-    EXPECT_EQ(from_spec->final_dtype, want);
-    o.final_dtype = from_spec->final_dtype;
-    ASSERT_EQ(Losses(o).size(), 1u);
-    auto files = shardformer::ModelFiles::Open(o.final_dir);
-    ASSERT_TRUE(files.ok()) << files.status();
-    auto wte = (*files)->Read("transformer.wte.weight");
-    ASSERT_TRUE(wte.ok()) << wte.status();
-    EXPECT_EQ(wte->dtype(), want.value_or(DType::kBF16));
-    auto config_json = ReadFileToString(o.final_dir + "/config.json");
-    ASSERT_TRUE(config_json.ok()) << config_json.status();
-    EXPECT_TRUE(absl::StrContains(*config_json,
-                                  want.has_value() ? R"("torch_dtype": "float32")" : R"("torch_dtype": "bfloat16")"))
-        << *config_json;
+  // F32 where the run asks (TrainConfig.final_dtype, through the spec): its
+  // f32 master weights, of which the bf16 parameters are the rounding, with
+  // ZeRO too (each dp rank holds a slice of them).
+  for (const int zero : {0, 2}) {
+    const auto final_dir = [&](bool f32) {
+      return TempPath(absl::StrCat("train_bf16_zero", zero, "_final", f32 ? "_f32" : ""));
+    };
+    for (const std::optional<DType> want : {std::optional<DType>(), std::optional<DType>(DType::kF32)}) {
+      TrainOptions o = mixed;
+      o.steps = 1;
+      o.warmup_steps = 0;  // an update the master weights hold
+      o.zero_stage = zero;
+      o.final_dir = final_dir(want.has_value());
+      o.final_dtype = want;
+      v1::JobSpec spec = SpecFromTrainOptions(o);
+      EXPECT_EQ(spec.train().final_dtype(), want.has_value() ? "f32" : "");
+      auto from_spec = TrainOptionsFromSpec(spec, model, /*cuda=*/false);
+      ASSERT_TRUE(from_spec.ok()) << from_spec.status();
+      EXPECT_EQ(from_spec->final_dtype, want);
+      o.final_dtype = from_spec->final_dtype;
+      ASSERT_EQ(Losses(o).size(), 1u);
+      auto files = shardformer::ModelFiles::Open(o.final_dir);
+      ASSERT_TRUE(files.ok()) << files.status();
+      auto wte = (*files)->Read("transformer.wte.weight");
+      ASSERT_TRUE(wte.ok()) << wte.status();
+      EXPECT_EQ(wte->dtype(), want.value_or(DType::kBF16));
+      auto config_json = ReadFileToString(o.final_dir + "/config.json");
+      ASSERT_TRUE(config_json.ok()) << config_json.status();
+      EXPECT_TRUE(absl::StrContains(*config_json,
+                                    want.has_value() ? R"("torch_dtype": "float32")" : R"("torch_dtype": "bfloat16")"))
+          << *config_json;
+    }
+    auto widened = shardformer::ModelFiles::Open(final_dir(false));
+    auto masters = shardformer::ModelFiles::Open(final_dir(true));
+    ASSERT_TRUE(widened.ok() && masters.ok());
+    int64_t elements = 0, finer = 0;
+    for (const std::string& name : (*widened)->Names()) {
+      auto bf16_weights = (*widened)->Read(name);
+      auto f32_weights = (*masters)->Read(name);
+      ASSERT_TRUE(bf16_weights.ok() && f32_weights.ok()) << name;
+      ASSERT_EQ(f32_weights->dtype(), DType::kF32) << name;
+      auto rounded = f32_weights->ToDType(DType::kBF16);
+      ASSERT_TRUE(rounded.ok());
+      ASSERT_EQ(rounded->shape(), bf16_weights->shape()) << name;
+      EXPECT_EQ(std::memcmp(rounded->raw_data(), bf16_weights->raw_data(), rounded->nbytes()), 0)
+          << name << ": the bf16 parameters are the master weights' rounding (ZeRO " << zero << ")";
+      auto wide = bf16_weights->ToDType(DType::kF32);
+      ASSERT_TRUE(wide.ok());
+      const float* a = f32_weights->data<float>();
+      const float* b = wide->data<float>();
+      for (int64_t i = 0; i < f32_weights->numel(); ++i) finer += a[i] != b[i];
+      elements += f32_weights->numel();
+    }
+    // One AdamW step moves each weight by about lr, far below bf16's step
+    // near 1: most master weights lie between two bf16 values.
+    EXPECT_GT(finer, elements / 2) << "ZeRO " << zero << ": the f32 model is not the bf16 one widened";
   }
   for (const auto& [options, stats] : {std::pair(Options(model, 2, 2), f32[0]), std::pair(mixed, bf16[0])}) {
     auto floor = MemoryFloorPerRank(*config, SpecFromTrainOptions(options));
