@@ -359,15 +359,16 @@ absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& ou
     layout.push_back({hf_name, dtype.value_or(one == DType::kBF16 || one == DType::kF16 ? one : DType::kF32), shape});
     written.insert(layout.back().dtype);
   }
-  if (written.size() == 1) {  // (a model of several: its config's word is left as it is)
-    // (Its keys in their order: ParseJson bounds the nesting first.) Newer
-    // transformers write "dtype" and prefer it where both are: both say it.
-    if (ParseJson(config).is_object()) {
-      nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(config);
-      ordered["torch_dtype"] = TorchDTypeName(*written.begin());
-      if (ordered.contains("dtype")) ordered["dtype"] = TorchDTypeName(*written.begin());
-      config = ordered.dump(2) + "\n";
-    }
+  // The dtype to load it in: its tensors', or F32 for a model of several
+  // (which loses none of them; a config's bf16 would round the F32 ones).
+  // (Its keys in their order: ParseJson bounds the nesting first.) Newer
+  // transformers write "dtype" and prefer it where both are: both say it.
+  if (ParseJson(config).is_object()) {
+    const char* load_as = TorchDTypeName(written.size() == 1 ? *written.begin() : DType::kF32);
+    nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(config);
+    ordered["torch_dtype"] = load_as;
+    if (ordered.contains("dtype")) ordered["dtype"] = load_as;
+    config = ordered.dump(2) + "\n";
   }
   const auto make = [&](size_t i) -> absl::StatusOr<Tensor> {
     const TensorLayout& l = layout[i];

@@ -102,17 +102,14 @@ bool IsModelDType(DType dtype);
 // needed): config.json and one model.safetensors with every tensor under its
 // Hugging Face name and shape, in `dtype`, or where that is nullopt in the
 // dtype its parameters were saved in where they agree (a bf16 run's model
-// is bf16), else F32; config.json's torch_dtype names the dtype where every
-// tensor has one. The model is made one tensor at a time as it is written
-// (WriteSafetensorsStreamed): a few F32 copies of its largest tensor are
-// held, not the model. A failure leaves nothing in `out_dir`, nor `out_dir`
-// where it made it. Runs on one process, no ranks. NOT_FOUND for
-// a directory without an index; INVALID_ARGUMENT naming the file or tensor
-// for a damaged or incomplete checkpoint (an index ParseCheckpointIndex
-// refuses, a missing rank file, a block whose shape does not match the
-// index, blocks that do not cover a tensor). Every block's stored shape is
-// checked before anything is allocated, so an index cannot make it allocate
-// more than the rank files hold.
+// is bf16), else F32; config.json's torch_dtype (and dtype, where it has
+// one) names the dtype where every tensor has one, else float32. The model is made one tensor at a time as it is
+// written (WriteSafetensorsStreamed): a few F32 copies of its largest tensor are held, not the model. A failure leaves
+// nothing in `out_dir`, nor `out_dir` where it made it. Runs on one process, no ranks. NOT_FOUND for a directory
+// without an index; INVALID_ARGUMENT naming the file or tensor for a damaged or incomplete checkpoint (an index
+// ParseCheckpointIndex refuses, a missing rank file, a block whose shape does not match the index, blocks that do not
+// cover a tensor). Every block's stored shape is checked before anything is allocated, so an index cannot make it
+// allocate more than the rank files hold.
 absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir,
                                    std::optional<DType> dtype = std::nullopt);
 

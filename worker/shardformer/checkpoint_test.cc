@@ -377,7 +377,8 @@ TEST(Checkpoint, AHostileIndexIsRefusedBeforeItIsActedOn) {
 
 // A bf16 run's parameters consolidate into a bf16 model: the same values
 // (bf16 widens to F32 exactly) in half the bytes, loading at any layout; a
-// checkpoint tensor whose parts were saved in two dtypes is written F32.
+// checkpoint tensor whose parts were saved in two dtypes is written F32, and
+// a model of F32 and bf16 tensors is loaded as F32.
 TEST(Checkpoint, ABf16ModelConsolidatesInBf16) {
   auto model = testing::WriteTinyGpt2(TempPath("ckb_gpt2"));
   ASSERT_TRUE(model.ok()) << model.status();
@@ -448,6 +449,12 @@ TEST(Checkpoint, ABf16ModelConsolidatesInBf16) {
   // from the bf16 save beside rank 0's from the F32 one): written F32.
   std::filesystem::copy_file(f32 + "/rank-00000-of-00002.safetensors", checkpoint + "/rank-00000-of-00002.safetensors",
                              std::filesystem::copy_options::overwrite_existing);
+  {  // a config that says bf16: it would load the F32 tensors rounded
+    nlohmann::ordered_json says_bf16 = config_of(checkpoint);
+    says_bf16["torch_dtype"] = "bfloat16";
+    says_bf16["dtype"] = "bfloat16";
+    std::ofstream(checkpoint + "/config.json", std::ios::trunc) << says_bf16.dump();
+  }
   const std::string mixed = TempPath("ckb_mixed_hf");
   ASSERT_TRUE(ConsolidateCheckpoint(checkpoint, mixed).ok());
   auto mixed_files = ModelFiles::Open(mixed);
@@ -462,6 +469,9 @@ TEST(Checkpoint, ABf16ModelConsolidatesInBf16) {
     EXPECT_EQ(got->dtype(), DType::kF32) << name;
   }
   EXPECT_GT(split, 0);
+  // Its tensors are in two dtypes: it loads as F32, which rounds none.
+  EXPECT_EQ(config_of(mixed)["torch_dtype"], "float32");
+  EXPECT_EQ(config_of(mixed)["dtype"], "float32");
 }
 
 // f16 holds up to 65504: a model with a larger weight is not written in f16
