@@ -89,6 +89,18 @@ std::vector<std::string> ContinuedLineage(const std::vector<std::string>& lineag
   return out;
 }
 
+std::vector<std::string> LineageWithCheckpointsIn(const std::vector<std::string>& lineage, const std::string& dir) {
+  const absl::StatusOr<std::vector<CheckpointInfo>> listed = ListCheckpoints(dir);
+  if (!listed.ok()) return lineage;
+  std::set<std::string> present;
+  for (const CheckpointInfo& c : *listed) present.insert(c.job);
+  std::vector<std::string> out;
+  for (const std::string& w : lineage) {
+    if (present.count(w) > 0) out.push_back(w);
+  }
+  return out;
+}
+
 std::string StepTmpDir(const std::string& dir, int64_t step, const CheckpointWriter& writer) {
   return absl::StrCat(StepDir(dir, step), ".", writer.Tag(), ".tmp");
 }

@@ -96,6 +96,15 @@ inline constexpr size_t kMaxCheckpointLineage = 64;
 std::vector<std::string> ContinuedLineage(const std::vector<std::string>& lineage, const std::string& resumed,
                                           const std::string& job);
 
+// `lineage` less the writers of which `dir` holds no checkpoint now
+// (ListCheckpoints; `dir` as it is where it cannot be listed): a chain of
+// resumes in one directory carries only the links whose checkpoints
+// retention still counts, so that it stays far below kMaxCheckpointLineage
+// however long the chain (a capped lineage lost its oldest link, whose best
+// checkpoint was then neither counted nor removed, and a second "best" was
+// kept). The trainer passes a resumed checkpoint's lineage through it.
+std::vector<std::string> LineageWithCheckpointsIn(const std::vector<std::string>& lineage, const std::string& dir);
+
 // The temporary directory `writer` writes StepDir(dir, step) through:
 // DIR/step-NNNNNN.[JOB.]gen-G.tmp.
 std::string StepTmpDir(const std::string& dir, int64_t step, const CheckpointWriter& writer);

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -238,6 +239,8 @@ TEST(Retention, AChainOfResumesPrunesWhatEveryEarlierRunWrote) {
   EXPECT_EQ(Entries(o.save_dir), (std::set<std::string>{"step-000001", "step-000002"}));
   o.resume_dir = o.save_dir;
   std::vector<std::string> writers;
+  std::map<int64_t, std::string> writer_of;  // each step's checkpoint's
+  for (int64_t step : {1, 2}) writer_of[step] = ReadTrainState(StepDir(o.save_dir, step))->job;
   for (int64_t last = 3; last <= 5; ++last) {  // three more runs of one step each
     o.steps = last;
     const std::vector<StepStats> link = testing::Losses(o);
@@ -246,10 +249,16 @@ TEST(Retention, AChainOfResumesPrunesWhatEveryEarlierRunWrote) {
               (std::set<std::string>{absl::StrFormat("step-%06d", last - 1), absl::StrFormat("step-%06d", last)}));
     auto state = ReadTrainState(StepDir(o.save_dir, last));
     ASSERT_TRUE(state.ok()) << state.status();
-    EXPECT_EQ(state->lineage.size(), static_cast<size_t>(last - 2)) << "every earlier link, oldest first";
-    if (!writers.empty()) EXPECT_EQ(state->lineage.back(), writers.back());
+    // The earlier links whose checkpoints the directory held as it started
+    // (steps last - 2 and last - 1), oldest first: a link whose checkpoints
+    // are all gone is not carried on.
+    std::vector<std::string> held = {writer_of[last - 2]};
+    if (writer_of[last - 1] != held.back()) held.push_back(writer_of[last - 1]);
+    EXPECT_EQ(state->lineage, held) << "link " << last;
+    writer_of[last] = state->job;
     writers.push_back(state->job);
   }
+  EXPECT_EQ(std::set<std::string>(writers.begin(), writers.end()).size(), 3u) << "a job each";
   // Saving elsewhere carries only the run resumed from (its own are its
   // history's there), and so does coming back: a run that resumes from the
   // other directory and saves here prunes none of the chain's.
@@ -290,6 +299,15 @@ TEST(Retention, AChainOfResumesPrunesWhatEveryEarlierRunWrote) {
     EXPECT_TRUE(r->lineage.empty()) << lineage;
   }
   EXPECT_EQ(ContinuedLineage({"a", "b", "me"}, "b", "me"), (std::vector<std::string>{"a", "b"}));
+  // Of a lineage, the writers that have a checkpoint in the directory.
+  const std::string held = TempPath("retention_chain_held");
+  FakeCheckpoint(held, 1, 1.0, 1, "w0");
+  FakeCheckpoint(held, 9, 2.0, 1, "w9");
+  FakeCheckpoint(held, 10, 2.0, 1, "other");
+  std::vector<std::string> ten;
+  for (int i = 0; i < 10; ++i) ten.push_back(absl::StrCat("w", i));
+  EXPECT_EQ(LineageWithCheckpointsIn(ten, held), (std::vector<std::string>{"w0", "w9"}));
+  EXPECT_EQ(LineageWithCheckpointsIn(ten, TempPath("retention_chain_none")), ten) << "a directory that does not list";
   std::vector<std::string> long_chain;
   for (size_t i = 0; i < kMaxCheckpointLineage; ++i) long_chain.push_back(absl::StrCat("w", i));
   const std::vector<std::string> capped = ContinuedLineage(long_chain, "last", "me");

@@ -483,10 +483,12 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
     // The chain it continues only where it saves into the directory it
     // resumed from; elsewhere the run it resumed from alone (as before
     // lineages: that run's checkpoints in another directory are its
-    // history's, not this link's to prune).
+    // history's, not this link's to prune). Of the chain, the links whose
+    // checkpoints are still there: it stays short however long it grows.
     if (!run->resumed_named) {
       run->writer.lineage =
-          ContinuedLineage(SameDirectory(o.resume_dir, o.save_dir) ? state.lineage : std::vector<std::string>{},
+          ContinuedLineage(SameDirectory(o.resume_dir, o.save_dir) ? LineageWithCheckpointsIn(state.lineage, o.save_dir)
+                                                                   : std::vector<std::string>{},
                            state.job, run->writer.job);
     }
     run->resumed_step = state.step;
