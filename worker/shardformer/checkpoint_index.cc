@@ -5,12 +5,14 @@
 #include <utility>
 #include <vector>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
 #include "common/int_math.h"
 #include "common/json.h"
 #include "common/limits.h"
 #include "common/status_macros.h"
+#include "common/text.h"
 #include "kernels/types.h"
 #include "nlohmann/json.hpp"
 
@@ -78,10 +80,23 @@ class Reader {
   const std::string where_;
 };
 
+// A tensor name as colod writes them (its parameters' and Hugging Face's):
+// printable ASCII, 1 to kMaxIndexNameBytes bytes. Any other is a damaged
+// index's, refused before an error could quote it.
+constexpr size_t kMaxIndexNameBytes = 1024;
+bool PlainTensorName(absl::string_view name) {
+  return !name.empty() && name.size() <= kMaxIndexNameBytes &&
+         absl::c_all_of(name, [](char c) { return c >= 0x20 && c < 0x7f; });
+}
+std::string NotPlain(absl::string_view name) {
+  return absl::StrCat("'", EscapedPrefix(name, 256), "' is not a tensor name colod writes (printable ASCII, 1 to ",
+                      kMaxIndexNameBytes, " bytes)");
+}
+
 absl::StatusOr<HfTensor> ParseHf(const Reader& r, const Json& h, const std::string& of) {
   HfTensor hf;
   ASSIGN_OR_RETURN(hf.name, r.String(h, "name", of));
-  if (hf.name.empty()) return r.Error(absl::StrCat(of, ".name is empty"));
+  if (!PlainTensorName(hf.name)) return r.Error(absl::StrCat(of, ".name: ", NotPlain(hf.name)));
   ASSIGN_OR_RETURN(hf.shape, r.ShapeOf(h, "shape", of));
   ASSIGN_OR_RETURN(hf.transpose, r.Bool(h, "transpose", of));
   ASSIGN_OR_RETURN(hf.narrow_dim, r.Int(h, "narrow_dim", of));
@@ -157,7 +172,7 @@ absl::StatusOr<CheckpointTensor> ParseTensor(const Reader& r, const Json& t, con
     CheckpointBlock block;
     ASSIGN_OR_RETURN(block.file, r.String(b, "file", of));
     if (!IsPlainFileName(block.file)) {
-      return r.Error(absl::StrCat(of, " names the file '", block.file.substr(0, 256),
+      return r.Error(absl::StrCat(of, " names the file '", EscapedPrefix(block.file, 256),
                                   "'; block files must sit beside the index"));
     }
     ASSIGN_OR_RETURN(block.starts, r.Dims(b, "starts", of));
@@ -206,6 +221,7 @@ absl::StatusOr<CheckpointIndex> ParseCheckpointIndex(absl::string_view text, abs
   ASSIGN_OR_RETURN(const Json* tensors, r.Field(j, "tensors", "the index"));
   if (!tensors->is_object()) return r.Error("tensors is not an object");
   for (auto it = tensors->begin(); it != tensors->end(); ++it) {
+    if (!PlainTensorName(it.key())) return r.Error(absl::StrCat("tensor ", NotPlain(it.key())));
     ASSIGN_OR_RETURN(CheckpointTensor t, ParseTensor(r, it.value(), it.key()));
     index.tensors.emplace(it.key(), std::move(t));
   }
@@ -226,10 +242,12 @@ absl::StatusOr<std::map<std::string, std::string>> ParseWeightMap(absl::string_v
   }
   std::map<std::string, std::string> out;
   for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
-    if (!it.value().is_string()) return r.Error(absl::StrCat("the file of ", it.key(), " is not a string"));
+    if (!it.value().is_string()) {
+      return r.Error(absl::StrCat("the file of ", EscapedPrefix(it.key(), 256), " is not a string"));
+    }
     const std::string file = it.value().get<std::string>();
     if (!IsPlainFileName(file)) {
-      return r.Error(absl::StrCat(it.key(), " names the file '", file.substr(0, 256),
+      return r.Error(absl::StrCat(EscapedPrefix(it.key(), 256), " names the file '", EscapedPrefix(file, 256),
                                   "'; shard files must sit beside the index"));
     }
     out.emplace(it.key(), file);

@@ -150,6 +150,29 @@ TEST(ParseCheckpointIndex, WrongTypesAndValuesAreErrorsNotExceptions) {
   EXPECT_FALSE(ParseCheckpointIndex("{\"format\": \"colod-sharded", "x").ok());
 }
 
+// A tensor name colod never writes (a control byte, a terminal's escape,
+// a stray byte, none, or one past 1024 bytes) is a damaged index: refused,
+// the name escaped in the error.
+TEST(ParseCheckpointIndex, NamesColodNeverWritesAreRefusedEscaped) {
+  for (const std::string& name :
+       {std::string("h.0\x1b[2J"), std::string("w\xff"), std::string("a\nb"), std::string(), std::string(1025, 'w')}) {
+    Json j = Good();
+    Json t = Tensor0(j);
+    j["tensors"] = Json::object();
+    j["tensors"][name] = t;
+    auto r = ParseCheckpointIndex(j.dump(-1, ' ', false, Json::error_handler_t::replace), "x");
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("is not a tensor name colod writes"), std::string::npos) << r.status();
+    for (char c : r.status().message()) EXPECT_TRUE(c >= 0x20 && c < 0x7f) << r.status();
+    j = Good();
+    Tensor0(j)["hf"]["name"] = name;
+    r = ParseCheckpointIndex(j.dump(-1, ' ', false, Json::error_handler_t::replace), "x");
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find(".hf.name: "), std::string::npos) << r.status();
+    for (char c : r.status().message()) EXPECT_TRUE(c >= 0x20 && c < 0x7f) << r.status();
+  }
+}
+
 TEST(ParseWeightMap, NamesFilesBesideTheIndexOnly) {
   auto ok = ParseWeightMap(R"({"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}})", "i");
   ASSERT_TRUE(ok.ok()) << ok.status();

@@ -20,6 +20,7 @@
 #include "common/int_math.h"
 #include "common/json.h"
 #include "common/status_macros.h"
+#include "common/text.h"
 #include "nlohmann/json.hpp"
 
 namespace colod::shardformer {
@@ -111,7 +112,7 @@ absl::StatusOr<DType> ParseSafetensorsDType(const std::string& name) {
   if (name == "BF16") return DType::kBF16;
   if (name == "I64") return DType::kI64;
   if (name == "I32") return DType::kI32;
-  return absl::InvalidArgumentError(absl::StrCat("dtype ", name, " is not one of ", kReadDTypes));
+  return absl::InvalidArgumentError(absl::StrCat("dtype ", EscapedPrefix(name, 32), " is not one of ", kReadDTypes));
 }
 
 namespace {
@@ -166,11 +167,14 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   std::vector<std::pair<int64_t, int64_t>> ranges;
   for (auto it = header.begin(); it != header.end(); ++it) {
     const std::string& name = it.key();
+    const std::string shown = EscapedPrefix(name, kMaxUnreadTensorNameBytes);  // (the file's bytes, in an error)
     const nlohmann::json& e = it.value();
     if (name == "__metadata__") {
       if (!e.is_object()) return Invalid(path, "__metadata__ is not an object");
       for (auto m = e.begin(); m != e.end(); ++m) {
-        if (!m.value().is_string()) return Invalid(path, absl::StrCat("__metadata__ value of ", m.key(), " is not a string"));
+        if (!m.value().is_string())
+          return Invalid(path, absl::StrCat("__metadata__ value of ", EscapedPrefix(m.key(), kMaxUnreadTensorNameBytes),
+                                            " is not a string"));
         f->metadata_[m.key()] = m.value().get<std::string>();
       }
       continue;
@@ -178,45 +182,46 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     if (!e.is_object() || !e.contains("dtype") || !e.contains("shape") || !e.contains("data_offsets") ||
         !e["dtype"].is_string() || !e["shape"].is_array() || !e["data_offsets"].is_array() ||
         e["data_offsets"].size() != 2) {
-      return Invalid(path, absl::StrCat("tensor ", name, ": the entry needs dtype, shape and two data_offsets"));
+      return Invalid(path, absl::StrCat("tensor ", shown, ": the entry needs dtype, shape and two data_offsets"));
     }
     TensorInfo info;
     const std::string dtype_name = e["dtype"].get<std::string>();
     auto dtype = ParseSafetensorsDType(dtype_name);
     const std::optional<int64_t> unread_bits = dtype.ok() ? std::nullopt : UnreadDTypeBits(dtype_name);
     if (!dtype.ok() && !unread_bits.has_value()) {
-      return Invalid(path, absl::StrCat("tensor ", name, ": ", dtype.status().message(),
+      return Invalid(path, absl::StrCat("tensor ", shown, ": ", dtype.status().message(),
                                         " (nor one of the format's that colod knows)"));
     }
     if (dtype.ok()) info.dtype = *dtype;
     for (const auto& d : e["shape"]) {
       if (!d.is_number_unsigned() || d.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
-        return Invalid(path, absl::StrCat("tensor ", name, ": a shape entry is not a size"));
+        return Invalid(path, absl::StrCat("tensor ", shown, ": a shape entry is not a size"));
       }
       info.shape.push_back(d.get<int64_t>());
     }
     const std::optional<int64_t> bits =
         CheckedBytes(info.shape, unread_bits.has_value() ? *unread_bits : 8 * static_cast<int64_t>(SizeOf(info.dtype)));
-    if (!bits.has_value()) return Invalid(path, absl::StrCat("tensor ", name, ": the shape is too large"));
+    if (!bits.has_value()) return Invalid(path, absl::StrCat("tensor ", shown, ": the shape is too large"));
     if (*bits % 8 != 0) {  // (4- and 6-bit elements are packed: the format wants whole bytes)
-      return Invalid(path, absl::StrCat("tensor ", name, ": ", dtype_name, ShapeToString(info.shape), " is ", *bits,
+      return Invalid(path, absl::StrCat("tensor ", shown, ": ", dtype_name, ShapeToString(info.shape), " is ", *bits,
                                         " bits, not whole bytes"));
     }
     const std::optional<int64_t> want = *bits / 8;
     for (const auto& o : e["data_offsets"]) {
       if (!o.is_number_unsigned() || o.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
-        return Invalid(path, absl::StrCat("tensor ", name, ": an offset is not a size"));
+        return Invalid(path, absl::StrCat("tensor ", shown, ": an offset is not a size"));
       }
     }
     info.begin = e["data_offsets"][0].get<int64_t>();
     info.end = e["data_offsets"][1].get<int64_t>();
     if (info.begin > info.end || info.end > buffer) {
-      return Invalid(path, absl::StrCat("tensor ", name, ": data_offsets [", info.begin, ", ", info.end,
+      return Invalid(path, absl::StrCat("tensor ", shown, ": data_offsets [", info.begin, ", ", info.end,
                                         ") are outside the ", buffer, "-byte data buffer"));
     }
     if (info.end - info.begin != *want) {
-      return Invalid(path, absl::StrCat("tensor ", name, ": ", e["dtype"].get<std::string>(), ShapeToString(info.shape),
-                                        " needs ", *want, " bytes but data_offsets span ", info.end - info.begin));
+      return Invalid(path,
+                     absl::StrCat("tensor ", shown, ": ", e["dtype"].get<std::string>(), ShapeToString(info.shape),
+                                  " needs ", *want, " bytes but data_offsets span ", info.end - info.begin));
     }
     ranges.emplace_back(info.begin, info.end);
     if (unread_bits.has_value()) {
