@@ -121,8 +121,8 @@ ABSL_FLAG(
     std::string, final_dtype, "auto",
     "train: the dtype of --final's model: auto (each tensor in the dtype it trained in: bf16 after a bf16 run), "
     "f32 (for readers without bf16, such as numpy; after a bf16 run the optimizer's f32 master weights, of "
-    "which its bf16 weights are the rounding), bf16 or f16 (an fp32 run's weights rounded; f16 fails the write where a "
-    "weight passes 65504).");
+    "which its bf16 weights are the rounding), bf16 or f16 (an fp32 run's weights, or a mixed-precision run's f32 "
+    "master weights, rounded once; f16 fails the write where a weight passes 65504).");
 ABSL_FLAG(std::string, dtype, "auto",
           "consolidate: the model's dtype: auto (each tensor in the dtype its parameters were saved in: a bf16 "
           "run's model is bf16), f32, bf16 or f16.");

@@ -96,9 +96,12 @@ absl::StatusOr<Tensor> AnyOverMesh(ProcessGroup& pg, bool mine, const Device& de
   return flag;
 }
 
-absl::Status AgreeOverMesh(ProcessGroup& pg, const absl::Status& mine, const Device& device,
-                           absl::string_view peer_failed) {
-  absl::StatusOr<Tensor> any = AnyOverMesh(pg, !mine.ok(), device);
+namespace {
+
+// AgreeOverMesh's verdict from the agreed flag `any` (AnyOverMesh's or a
+// group's).
+absl::Status Agreed(ProcessGroup& pg, const absl::Status& mine, const absl::StatusOr<Tensor>& any,
+                    absl::string_view peer_failed) {
   const absl::StatusOr<std::vector<float>> agreed =
       any.ok() ? any->ReadFloats() : absl::StatusOr<std::vector<float>>(any.status());
   if (!mine.ok()) return mine;
@@ -108,6 +111,30 @@ absl::Status AgreeOverMesh(ProcessGroup& pg, const absl::Status& mine, const Dev
   // A communicator that failed or was aborted (NCCL: the stream ran past
   // the collective) leaves this rank's own 0 in place, not the mesh's.
   return pg.AsyncError();
+}
+
+}  // namespace
+
+absl::Status AgreeOverMesh(ProcessGroup& pg, const absl::Status& mine, const Device& device,
+                           absl::string_view peer_failed) {
+  return Agreed(pg, mine, AnyOverMesh(pg, !mine.ok(), device), peer_failed);
+}
+
+absl::Status AgreeOverGroup(ProcessGroup& pg, const std::string& group, const absl::Status& mine, const Device& device,
+                            absl::string_view peer_failed) {
+  const auto any = [&]() -> absl::StatusOr<Tensor> {
+    ASSIGN_OR_RETURN(Tensor flag, Tensor::Zeros({1}, DType::kF32, device));
+    if (!mine.ok()) {
+      ASSIGN_OR_RETURN(const Tensor one, Tensor::FromFloats({1}, {1.0f}));
+      RETURN_IF_ERROR(flag.CopyFrom(one));
+    }
+    ASSIGN_OR_RETURN(Communicator * comm, pg.Comm(group));
+    if (comm->size() > 1) {
+      RETURN_IF_ERROR(comm->AllReduce(flag.raw_data(), 1, DType::kF32, ReduceOp::kMax)->WaitOnDevice(pg.timeout()));
+    }
+    return flag;
+  };
+  return Agreed(pg, mine, any(), peer_failed);
 }
 
 absl::Status SameOverMesh(ProcessGroup& pg, int64_t mine, const Device& device, absl::string_view what) {

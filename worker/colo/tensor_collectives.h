@@ -65,6 +65,12 @@ absl::StatusOr<Tensor> AnyOverMesh(ProcessGroup& pg, bool mine, const Device& de
 // mesh.
 absl::Status AgreeOverMesh(ProcessGroup& pg, const absl::Status& mine, const Device& device,
                            absl::string_view peer_failed);
+// The same over one group of the mesh (ProcessGroup::Comm(`group`): "dp",
+// say) instead of the whole mesh: collective over that group's ranks only,
+// for work that only they do together (a sum over dp). A group of one
+// returns `mine` (and the sticky error).
+absl::Status AgreeOverGroup(ProcessGroup& pg, const std::string& group, const absl::Status& mine, const Device& device,
+                            absl::string_view peer_failed);
 
 // Whether every rank of the mesh holds the same `mine`: OK, else
 // FAILED_PRECONDITION "`what`: this rank's `mine`, another's X" (the

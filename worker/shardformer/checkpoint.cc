@@ -164,34 +164,45 @@ absl::StatusOr<RankParts> TakeRankParts(const std::vector<ShardedModel*>& chunks
   NoGradScope no_grad;
   RankParts mine;
   if (values != nullptr) mine.dtype = values->dtype;
+  // This rank's part of `p`, its value `value`, copied to the host.
+  const auto take = [&](const NamedParam& p, const Tensor& value) -> absl::Status {
+    if (values != nullptr && (value.dtype() != values->dtype || value.shape() != p.bound.param.local().shape())) {
+      return absl::InternalError(absl::StrCat("the value written of ", p.name, " is ", DTypeName(value.dtype()),
+                                              ShapeToString(value.shape()), ", not ", DTypeName(values->dtype),
+                                              ShapeToString(p.bound.param.local().shape())));
+    }
+    ASSIGN_OR_RETURN(Tensor host, value.To(Device::Cpu()));
+    Tensor part = host.Contiguous();  // on the host: fails only without host memory
+    if (const int64_t at = FirstNonFinite(part.dtype(), part.raw_data(), part.numel()); at >= 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the weights are not finite (parameter ", p.name, ", element ", at,
+          " of this rank's part): training diverged, and nothing of this checkpoint is saved. Resume from an "
+          "earlier checkpoint with a lower learning rate (lr), a longer warm-up (warmup_steps) or gradient "
+          "clipping (clip_norm)"));
+    }
+    mine.tensors.emplace_back(p.name, std::move(part));
+    return absl::OkStatus();
+  };
+  // With `values`, a part this rank cannot take fails the whole only once
+  // every parameter's value was made: `of` may be collective, and the
+  // rank's peers are making the next ones. (`of` itself fails alike on the
+  // ranks it is collective over.)
+  absl::Status first = absl::OkStatus();
   std::set<std::string> names;
   for (ShardedModel* chunk : chunks) {
     for (const NamedParam& p : chunk->Parameters()) {
       if (p.mirror) continue;  // the table's owner writes it (a rank may hold it and a mirror of it)
       if (!names.insert(p.name).second) return absl::InternalError(absl::StrCat("two parameters are named ", p.name));
       ASSIGN_OR_RETURN(bool owns, Owns(p.bound.param.spec(), mesh, rank));
-      Tensor value = p.bound.param.local();
-      if (values != nullptr) {
-        ASSIGN_OR_RETURN(value, values->of(p, owns));
-        if (owns && (value.dtype() != values->dtype || value.shape() != p.bound.param.local().shape())) {
-          return absl::InternalError(absl::StrCat("the value written of ", p.name, " is ", DTypeName(value.dtype()),
-                                                  ShapeToString(value.shape()), ", not ", DTypeName(values->dtype),
-                                                  ShapeToString(p.bound.param.local().shape())));
-        }
+      if (values == nullptr) {
+        if (owns) RETURN_IF_ERROR(take(p, p.bound.param.local()));
+        continue;
       }
-      if (!owns) continue;
-      ASSIGN_OR_RETURN(Tensor host, value.To(Device::Cpu()));
-      Tensor part = host.Contiguous();  // on the host: fails only without host memory
-      if (const int64_t at = FirstNonFinite(part.dtype(), part.raw_data(), part.numel()); at >= 0) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "the weights are not finite (parameter ", p.name, ", element ", at,
-            " of this rank's part): training diverged, and nothing of this checkpoint is saved. Resume from an "
-            "earlier checkpoint with a lower learning rate (lr), a longer warm-up (warmup_steps) or gradient "
-            "clipping (clip_norm)"));
-      }
-      mine.tensors.emplace_back(p.name, std::move(part));
+      ASSIGN_OR_RETURN(const Tensor value, values->of(p, owns));
+      if (owns && first.ok()) first = take(p, value);
     }
   }
+  RETURN_IF_ERROR(first);
   return mine;
 }
 

@@ -55,10 +55,13 @@ absl::Status SaveShardedCheckpoint(const std::vector<ShardedModel*>& chunks, con
 
 // Values written in place of the parameters' own (the f32 master weights of
 // a mixed-precision run, for its final model). `of` is called for each
-// parameter the chunks hold (not mirrors), in the same order on every rank
-// of the mesh, whether or not this rank writes it (`owns`), so that it may
-// be collective; where `owns`, what it returns (the parameter's local
-// shape, in `dtype`) is written, and the index says `dtype`.
+// parameter the chunks hold (not mirrors), in the chunks' order (the same
+// on every rank of a pipeline stage, which holds the same parameters),
+// whether or not this rank writes it (`owns`), so that it may be collective
+// within a stage; where `owns`, what it returns (the parameter's local
+// shape, in `dtype`) is written, and the index says `dtype`. Where it is
+// collective it must fail alike on the ranks it spans (agreeing first):
+// TakeRankParts stops calling it at its first error.
 struct PartValues {
   DType dtype = DType::kF32;
   std::function<absl::StatusOr<Tensor>(const NamedParam& param, bool owns)> of;
@@ -76,7 +79,8 @@ struct RankParts {
   std::optional<DType> dtype;
 };
 // Takes them from the chunks (collective only as `values->of` is), or from
-// `values` where given. FAILED_PRECONDITION naming
+// `values` where given (then a part that fails here, not finite, say,
+// fails the whole after every value was made). FAILED_PRECONDITION naming
 // the first element that is not finite (an update that overflowed, its
 // step's loss and gradients finite): such weights are never saved, since a
 // restart would resume from them and retention would drop the good
@@ -98,17 +102,20 @@ absl::StatusOr<std::optional<DType>> ParseModelDType(const std::string& name);
 // Whether a model is written in `dtype` (f32, bf16, f16).
 bool IsModelDType(DType dtype);
 
-// Assembles the sharded checkpoint in `dir` into `out_dir` (created if
-// needed): config.json and one model.safetensors with every tensor under its
-// Hugging Face name and shape, in `dtype`, or where that is nullopt in the
-// dtype its parameters were saved in where they agree (a bf16 run's model
-// is bf16), else F32; config.json's torch_dtype (and dtype, where it has
-// one) names the dtype where every tensor has one, else float32. The model is made one tensor at a time as it is
-// written (WriteSafetensorsStreamed): a few F32 copies of its largest tensor are held, not the model. A failure leaves
-// nothing in `out_dir`, nor `out_dir` where it made it. Runs on one process, no ranks. NOT_FOUND for a directory
-// without an index; INVALID_ARGUMENT naming the file or tensor for a damaged or incomplete checkpoint (an index
-// ParseCheckpointIndex refuses, a missing rank file, a block whose shape does not match the index, blocks that do not
-// cover a tensor). Every block's stored shape is checked before anything is allocated, so an index cannot make it
+// Assembles the sharded checkpoint in `dir` into `out_dir` (created if needed):
+// config.json and one model.safetensors with every tensor under its Hugging
+// Face name and shape, in `dtype`, or where that is nullopt in the dtype its
+// parameters were saved in where they agree (a bf16 run's model is bf16), else
+// F32; config.json's torch_dtype (and dtype, where it has one) names the dtype
+// where every tensor has one, else float32. The model is made one tensor at a
+// time as it is written (WriteSafetensorsStreamed): a few F32 copies of its
+// largest tensor are held, not the model. A failure leaves nothing in
+// `out_dir`, nor `out_dir` where it made it. Runs on one process, no ranks.
+// NOT_FOUND for a directory without an index; INVALID_ARGUMENT naming the file
+// or tensor for a damaged or incomplete checkpoint (an index
+// ParseCheckpointIndex refuses, a missing rank file, a block whose shape does
+// not match the index, blocks that do not cover a tensor). Every block's stored
+// shape is checked before anything is allocated, so an index cannot make it
 // allocate more than the rank files hold.
 absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir,
                                    std::optional<DType> dtype = std::nullopt);

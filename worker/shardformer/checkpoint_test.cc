@@ -4,11 +4,14 @@
 // checkpoints are refused with what is wrong.
 #include "worker/shardformer/checkpoint.h"
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <tuple>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/temp_dir.h"
@@ -373,6 +376,63 @@ TEST(Checkpoint, AHostileIndexIsRefusedBeforeItIsActedOn) {
   // The index put back: it consolidates.
   EXPECT_TRUE(consolidate_with(good).ok());
   ExpectSameTensors(TempPath("ck5_out"), *model);
+}
+
+// Values written in place of the parameters' (PartValues: a bf16 model's
+// f32 weights) are what the rank files hold and the index says. `of` runs
+// for every parameter on every rank, collective over dp here; a part that
+// one rank cannot take (not finite, on the rank that writes it) fails the
+// save only after every value was made, so its dp peer, still making the
+// next ones, is never left in a collective the failed rank skipped.
+TEST(Checkpoint, PartValuesAreWrittenAndOneRanksBadPartLeavesNoPeerWaiting) {
+  auto model = testing::WriteTinyGpt2(TempPath("ckv_gpt2"));
+  ASSERT_TRUE(model.ok()) << model.status();
+  ShardConfig shard = Layout(1, 2, v1::TENSOR_PARALLEL_MODE_1D);
+  shard.param_dtype = DType::kBF16;
+  for (const bool poison : {false, true}) {
+    const std::string checkpoint = TempPath(poison ? "ckv_poisoned" : "ckv_sharded");
+    std::vector<absl::Status> saved(2);
+    std::vector<int> calls(2, 0);
+    std::string poisoned;
+    RunMesh(*DeviceMesh::FromShardConfig(shard.layout), [&](int rank, ProcessGroup& pg) {
+      auto sharded = ShardFormer(shard, &pg).Load(model->dir);
+      ASSERT_TRUE(sharded.ok()) << sharded.status();
+      if (rank == 0) poisoned = (*sharded)->Parameters().front().name;  // rank 0 writes it (dp replicas)
+      PartValues values;
+      values.of = [&](const NamedParam& p, bool) -> absl::StatusOr<Tensor> {
+        ++calls[rank];
+        ASSIGN_OR_RETURN(Tensor ones, Tensor::FromFloats({4}, {1, 1, 1, 1}));
+        ASSIGN_OR_RETURN(Communicator * dp, pg.Comm("dp"));
+        RETURN_IF_ERROR(dp->AllReduce(ones.raw_data(), 4, DType::kF32, ReduceOp::kSum)->Wait(pg.timeout()));
+        ASSIGN_OR_RETURN(Tensor f32, p.bound.param.local().ToDType(DType::kF32));
+        ASSIGN_OR_RETURN(f32, f32.TryClone());
+        if (poison && rank == 0 && p.name == poisoned) f32.data<float>()[0] = std::nanf("");
+        return f32;
+      };
+      saved[rank] = SaveShardedCheckpoint(std::vector<ShardedModel*>{sharded->get()}, checkpoint, &values);
+    });
+    EXPECT_EQ(calls[0], calls[1]) << "every rank made every value";
+    EXPECT_GT(calls[0], 1);
+    if (poison) {
+      EXPECT_EQ(saved[0].code(), absl::StatusCode::kFailedPrecondition) << saved[0];
+      EXPECT_NE(saved[0].message().find(absl::StrCat("parameter ", poisoned)), std::string::npos) << saved[0];
+      EXPECT_EQ(saved[1].code(), absl::StatusCode::kAborted) << saved[1];
+      EXPECT_FALSE(std::filesystem::exists(checkpoint + "/" + kCheckpointIndex));
+      continue;
+    }
+    ASSERT_TRUE(saved[0].ok() && saved[1].ok()) << saved[0] << " / " << saved[1];
+    for (const auto& [name, t] : Index(checkpoint)["tensors"].items()) EXPECT_EQ(t["dtype"], "F32") << name;
+    const std::string out = TempPath("ckv_hf");
+    ASSERT_TRUE(ConsolidateCheckpoint(checkpoint, out).ok());
+    auto files = ModelFiles::Open(out);
+    ASSERT_TRUE(files.ok()) << files.status();
+    for (const auto& [name, t] : model->tensors) {
+      auto got = (*files)->Read(name);
+      ASSERT_TRUE(got.ok()) << name << ": " << got.status();
+      EXPECT_EQ(got->dtype(), DType::kF32) << name;  // written as the values were
+      EXPECT_EQ(got->ToFloats(), t.ToDType(DType::kBF16)->ToFloats()) << name;
+    }
+  }
 }
 
 // A bf16 run's parameters consolidate into a bf16 model: the same values

@@ -682,8 +682,8 @@ TEST(Checkpoints, RanksThatChoseDifferentCheckpointsToResumeFromRefuseToGoOn) {
     const std::string mine = rank == 0 ? "this rank's 3, another's 2" : "this rank's 2, another's 3";
     const std::string theirs = rank == 0 ? "this rank's 2, another's 3" : "this rank's 3, another's 2";
     const bool own_error = absl::StrContains(ends[rank].message(), mine);
-    EXPECT_TRUE(own_error || absl::StrContains(ends[rank].message(), absl::StrCat("rank ", 1 - rank, " failed: ")) &&
-                                 absl::StrContains(ends[rank].message(), theirs))
+    EXPECT_TRUE(own_error || (absl::StrContains(ends[rank].message(), absl::StrCat("rank ", 1 - rank, " failed: ")) &&
+                              absl::StrContains(ends[rank].message(), theirs)))
         << ends[rank];
     own += own_error ? 1 : 0;
     EXPECT_EQ(trained[rank], 0);

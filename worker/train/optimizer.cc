@@ -90,32 +90,44 @@ absl::StatusOr<Tensor> Optimizer::SliceOf(size_t i, const Tensor& t) const {
 absl::StatusOr<Tensor> Optimizer::F32Weights(size_t param, ProcessGroup* pg) const {
   if (param >= params_.size()) return absl::InvalidArgumentError(absl::StrCat("no parameter ", param));
   const Tensor& local = params_[param].bound.param.local();
-  ASSIGN_OR_RETURN(Tensor out, Tensor::Zeros(local.shape(), DType::kF32, local.device()));
-  ASSIGN_OR_RETURN(Tensor flat, out.Reshape({out.numel()}));
   // Summed over dp unless some slice of it is kept whole on every dp rank
   // (the same on every dp rank: such a parameter is a slice of each, and a
   // partitioned one never is).
   bool summed = partition_.over_dp;
-  for (size_t i = 0; i < partition_.slices.size(); ++i) {
-    const ParamSlice& s = partition_.slices[i];
-    if (s.param != static_cast<int>(param)) continue;
-    if (!s.grad.has_value()) summed = false;
-    Tensor weights = master_[i];  // f32 (Mixed), else the f32 parameter's own
-    if (!Mixed(i)) {
-      ASSIGN_OR_RETURN(weights, SliceOf(i, local));
+  for (const ParamSlice& s : partition_.slices) summed = summed && (s.param != static_cast<int>(param) || s.grad);
+  // This rank's slices in place, zeros elsewhere (nothing collective).
+  const auto mine = [&]() -> absl::StatusOr<Tensor> {
+    ASSIGN_OR_RETURN(Tensor out, Tensor::Zeros(local.shape(), DType::kF32, local.device()));
+    ASSIGN_OR_RETURN(Tensor flat, out.Reshape({out.numel()}));
+    for (size_t i = 0; i < partition_.slices.size(); ++i) {
+      const ParamSlice& s = partition_.slices[i];
+      if (s.param != static_cast<int>(param)) continue;
+      Tensor weights = master_[i];  // f32 (Mixed), else the f32 parameter's own
+      if (!Mixed(i)) {
+        ASSIGN_OR_RETURN(weights, SliceOf(i, local));
+      }
+      ASSIGN_OR_RETURN(const Tensor dense, weights.TryContiguous());
+      ASSIGN_OR_RETURN(Tensor run, dense.Reshape({s.length}));
+      ASSIGN_OR_RETURN(Tensor to, flat.Narrow(0, s.offset, s.length));
+      RETURN_IF_ERROR(to.CopyFrom(run));
     }
-    ASSIGN_OR_RETURN(const Tensor dense, weights.TryContiguous());
-    ASSIGN_OR_RETURN(Tensor run, dense.Reshape({s.length}));
-    ASSIGN_OR_RETURN(Tensor to, flat.Narrow(0, s.offset, s.length));
-    RETURN_IF_ERROR(to.CopyFrom(run));
-  }
-  absl::StatusOr<int> dp = pg->AxisSize("dp");
-  if (summed && dp.ok() && *dp > 1) {
+    return out;
+  };
+  absl::StatusOr<Tensor> out = mine();
+  const absl::StatusOr<int> dp = pg->AxisSize("dp");
+  if (!partition_.over_dp || !dp.ok() || *dp < 2) return out;
+  // Under ZeRO the dp group agrees first, for every parameter: a rank that
+  // could not take its part (no device memory for the copy) must not leave
+  // its peers in this parameter's sum while it goes on to the next
+  // collective. (A device's later failure is the communicator's sticky
+  // error, which the save's agreement reads: ProcessGroup::AsyncError.)
+  RETURN_IF_ERROR(
+      AgreeOverGroup(*pg, "dp", out.status(), local.device(),
+                     absl::StrCat("a dp peer could not take its part of the f32 weights of ", params_[param].name)));
+  if (summed) {
     ASSIGN_OR_RETURN(Communicator * comm, pg->Comm("dp"));
-    // (A device's failure is the communicator's sticky error, which the
-    // save's agreement reads: ProcessGroup::AsyncError.)
     RETURN_IF_ERROR(
-        comm->AllReduce(out.raw_data(), out.numel(), DType::kF32, ReduceOp::kSum)->WaitOnDevice(pg->timeout()));
+        comm->AllReduce(out->raw_data(), out->numel(), DType::kF32, ReduceOp::kSum)->WaitOnDevice(pg->timeout()));
   }
   return out;
 }

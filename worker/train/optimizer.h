@@ -102,9 +102,11 @@ class Optimizer {
   // updates run on, of which the parameter is a rounding), else the
   // parameter itself. With ZeRO the master copy's slices are spread over
   // dp: each rank's are summed over the dp group (zeros elsewhere, so the
-  // sum is exact), a collective every dp rank calls for the same
-  // parameters in the same order; a parameter kept whole on every dp rank
-  // needs none. For the final model (TrainOptions::final_dtype f32).
+  // sum is exact; a parameter kept whole on every dp rank needs none),
+  // after the group agreed that every rank took its part (AgreeOverGroup):
+  // collective over dp, every dp rank calling it for the same parameters in
+  // the same order, and failing alike (a peer's failure is ABORTED, marked
+  // IsPeerCaused). For the final model (TrainOptions::final_dtype).
   absl::StatusOr<Tensor> F32Weights(size_t param, ProcessGroup* pg) const;
   int64_t state_bytes() const;
   const std::vector<shardformer::NamedParam>& params() const { return params_; }

@@ -1113,14 +1113,17 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   }
   if (o.final_dir.empty()) return absl::OkStatus();
   const std::string sharded = o.final_dir + "/.sharded";
-  // An f32 model of a mixed-precision run is its f32 master weights (what
-  // the updates ran on), not its 16-bit parameters widened.
+  // A mixed-precision run's model in another dtype than its parameters'
+  // (f32, or f16 after bf16) is made of its f32 master weights (what the
+  // updates ran on), not of its 16-bit parameters widened or rounded twice.
   std::optional<shardformer::PartValues> masters;
   absl::flat_hash_map<absl::string_view, size_t> index;  // of the optimizer's parameters, by name
-  if (o.final_dtype == DType::kF32 && shard.param_dtype != DType::kF32) {
+  if (o.final_dtype.has_value() && *o.final_dtype != shard.param_dtype && shard.param_dtype != DType::kF32) {
     for (size_t i = 0; i < optimizer.params().size(); ++i) index.emplace(optimizer.params()[i].name, i);
     masters.emplace();
-    masters->of = [&](const shardformer::NamedParam& p, bool) -> absl::StatusOr<Tensor> {
+    masters->of = [&](const shardformer::NamedParam& p, bool owns) -> absl::StatusOr<Tensor> {
+      // (Under ZeRO every dp rank joins each parameter's sum.)
+      if (!owns && !optimizer.partition().over_dp) return Tensor();
       auto it = index.find(p.name);
       if (it == index.end()) return absl::InternalError(absl::StrCat(p.name, " is not the optimizer's"));
       return optimizer.F32Weights(it->second, &pg);

@@ -996,20 +996,22 @@ TEST(Trainer, MixedPrecisionTracksTheF32RunWithF32MasterWeights) {
   // Its final model is bf16 (the parameters it trained, not widened), or
   // F32 where the run asks (TrainConfig.final_dtype, through the spec): its
   // f32 master weights, of which the bf16 parameters are the rounding, with
-  // ZeRO too (each dp rank holds a slice of them).
+  // ZeRO too (each dp rank holds a slice of them); F16 is those rounded
+  // once, not the bf16 parameters converted.
   for (const int zero : {0, 2}) {
-    const auto final_dir = [&](bool f32) {
-      return TempPath(absl::StrCat("train_bf16_zero", zero, "_final", f32 ? "_f32" : ""));
+    const auto final_dir = [&](std::optional<DType> dtype) {
+      return TempPath(absl::StrCat("train_bf16_zero", zero, "_final_", dtype ? DTypeName(*dtype) : "auto"));
     };
-    for (const std::optional<DType> want : {std::optional<DType>(), std::optional<DType>(DType::kF32)}) {
+    for (const std::optional<DType> want :
+         {std::optional<DType>(), std::optional<DType>(DType::kF32), std::optional<DType>(DType::kF16)}) {
       TrainOptions o = mixed;
       o.steps = 1;
       o.warmup_steps = 0;  // an update the master weights hold
       o.zero_stage = zero;
-      o.final_dir = final_dir(want.has_value());
+      o.final_dir = final_dir(want);
       o.final_dtype = want;
       v1::JobSpec spec = SpecFromTrainOptions(o);
-      EXPECT_EQ(spec.train().final_dtype(), want.has_value() ? "f32" : "");
+      EXPECT_EQ(spec.train().final_dtype(), !want ? "" : *want == DType::kF32 ? "f32" : "f16");
       auto from_spec = TrainOptionsFromSpec(spec, model, /*cuda=*/false);
       ASSERT_TRUE(from_spec.ok()) << from_spec.status();
       EXPECT_EQ(from_spec->final_dtype, want);
@@ -1022,34 +1024,46 @@ TEST(Trainer, MixedPrecisionTracksTheF32RunWithF32MasterWeights) {
       EXPECT_EQ(wte->dtype(), want.value_or(DType::kBF16));
       auto config_json = ReadFileToString(o.final_dir + "/config.json");
       ASSERT_TRUE(config_json.ok()) << config_json.status();
-      EXPECT_TRUE(absl::StrContains(*config_json,
-                                    want.has_value() ? R"("torch_dtype": "float32")" : R"("torch_dtype": "bfloat16")"))
+      const char* torch_dtype = !want ? "bfloat16" : *want == DType::kF32 ? "float32" : "float16";
+      EXPECT_TRUE(absl::StrContains(*config_json, absl::StrCat(R"("torch_dtype": ")", torch_dtype, "\"")))
           << *config_json;
     }
-    auto widened = shardformer::ModelFiles::Open(final_dir(false));
-    auto masters = shardformer::ModelFiles::Open(final_dir(true));
-    ASSERT_TRUE(widened.ok() && masters.ok());
-    int64_t elements = 0, finer = 0;
-    for (const std::string& name : (*widened)->Names()) {
-      auto bf16_weights = (*widened)->Read(name);
+    auto trained = shardformer::ModelFiles::Open(final_dir(std::nullopt));
+    auto masters = shardformer::ModelFiles::Open(final_dir(DType::kF32));
+    auto half = shardformer::ModelFiles::Open(final_dir(DType::kF16));
+    ASSERT_TRUE(trained.ok() && masters.ok() && half.ok());
+    int64_t elements = 0, finer = 0, finer_f16 = 0;
+    const auto as = [](const Tensor& t, DType dtype) {
+      absl::StatusOr<Tensor> to = t.ToDType(dtype);
+      EXPECT_TRUE(to.ok()) << to.status();
+      return to.ok() ? *to : Tensor();
+    };
+    const auto same = [](const Tensor& a, const Tensor& b) {
+      return a.shape() == b.shape() && std::memcmp(a.raw_data(), b.raw_data(), a.nbytes()) == 0;
+    };
+    for (const std::string& name : (*trained)->Names()) {
+      auto bf16_weights = (*trained)->Read(name);
       auto f32_weights = (*masters)->Read(name);
-      ASSERT_TRUE(bf16_weights.ok() && f32_weights.ok()) << name;
+      auto f16_weights = (*half)->Read(name);
+      ASSERT_TRUE(bf16_weights.ok() && f32_weights.ok() && f16_weights.ok()) << name;
       ASSERT_EQ(f32_weights->dtype(), DType::kF32) << name;
-      auto rounded = f32_weights->ToDType(DType::kBF16);
-      ASSERT_TRUE(rounded.ok());
-      ASSERT_EQ(rounded->shape(), bf16_weights->shape()) << name;
-      EXPECT_EQ(std::memcmp(rounded->raw_data(), bf16_weights->raw_data(), rounded->nbytes()), 0)
+      EXPECT_TRUE(same(as(*f32_weights, DType::kBF16), *bf16_weights))
           << name << ": the bf16 parameters are the master weights' rounding (ZeRO " << zero << ")";
-      auto wide = bf16_weights->ToDType(DType::kF32);
-      ASSERT_TRUE(wide.ok());
-      const float* a = f32_weights->data<float>();
-      const float* b = wide->data<float>();
-      for (int64_t i = 0; i < f32_weights->numel(); ++i) finer += a[i] != b[i];
+      EXPECT_TRUE(same(as(*f32_weights, DType::kF16), *f16_weights))
+          << name << ": the f16 model is the master weights rounded once (ZeRO " << zero << ")";
+      const Tensor wide = as(*bf16_weights, DType::kF32);
+      const Tensor twice = as(*bf16_weights, DType::kF16);
+      for (int64_t i = 0; i < f32_weights->numel(); ++i) {
+        finer += f32_weights->data<float>()[i] != wide.data<float>()[i];
+        finer_f16 += f16_weights->data<uint16_t>()[i] != twice.data<uint16_t>()[i];
+      }
       elements += f32_weights->numel();
     }
     // One AdamW step moves each weight by about lr, far below bf16's step
-    // near 1: most master weights lie between two bf16 values.
+    // near 1: most master weights lie between two bf16 values, and f16
+    // keeps 3 bits more of them.
     EXPECT_GT(finer, elements / 2) << "ZeRO " << zero << ": the f32 model is not the bf16 one widened";
+    EXPECT_GT(finer_f16, elements / 2) << "ZeRO " << zero << ": the f16 model is not the bf16 one converted";
   }
   for (const auto& [options, stats] : {std::pair(Options(model, 2, 2), f32[0]), std::pair(mixed, bf16[0])}) {
     auto floor = MemoryFloorPerRank(*config, SpecFromTrainOptions(options));
