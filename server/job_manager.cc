@@ -541,7 +541,7 @@ absl::Status JobManager::WriteRecord(const std::optional<RecordWrite>& w) {
     s = WriteRecordEvents(*w, &events);
     if (s.ok()) COLOD_LOG(INFO) << "job " << w->job_id << " recorded in the room made for it";
   }
-  AfterWrite(w->job_id, events, s.ok());
+  AfterWrite(w->job_id, w->seq, events, s.ok());
   return s;
 }
 
@@ -641,7 +641,7 @@ void JobManager::AppendEventLocked(Entry& e, const v1::JobEvent& ev) {
   if (state_dir_.empty()) e.published = e.events.size();  // nothing to write: nothing a crash takes back
 }
 
-void JobManager::AfterWrite(const std::string& job_id, size_t events, bool written) {
+void JobManager::AfterWrite(const std::string& job_id, int64_t seq, size_t events, bool written) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return;
@@ -651,8 +651,10 @@ void JobManager::AfterWrite(const std::string& job_id, size_t events, bool writt
     e.write_failures = 0;
     return;
   }
-  // Not on disk: FlushStale tries again (a later change's write, should one
-  // come first, takes this one's too).
+  // Not on disk: FlushStale tries again, unless a later write was taken
+  // since (it holds this one's changes, and marks the job itself if it
+  // fails too).
+  if (seq < e.record_seq) return;
   e.unwritten = true;
   e.write_failures = std::min(e.write_failures + 1, 1 << 20);
 }

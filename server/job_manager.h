@@ -345,11 +345,11 @@ class JobManager {
   // then append (AppendEventLocked).
   v1::JobEvent NewEventLocked(const Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AppendEventLocked(Entry& e, const v1::JobEvent& ev) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // After a write of `job_id`'s record that took its first `events`
-  // events: lets watchers see them (written, or where it failed, never
-  // hidden from them for good), and marks the job unwritten where it
-  // failed (FlushStale).
-  void AfterWrite(const std::string& job_id, size_t events, bool written) ABSL_LOCKS_EXCLUDED(mu_);
+  // After the write numbered `seq` of `job_id`'s record, which took its
+  // first `events` events: lets watchers see them (written, or where it
+  // failed, never hidden from them for good), and where it failed and no
+  // later write was taken since, marks the job unwritten (FlushStale).
+  void AfterWrite(const std::string& job_id, int64_t seq, size_t events, bool written) ABSL_LOCKS_EXCLUDED(mu_);
   // The summary's wall time: the first RUNNING event to now.
   void UpdateWallTimeLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // AddStep's change of the entry (whether to write the record now).
