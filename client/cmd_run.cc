@@ -212,7 +212,7 @@ int RunConsolidate(const std::vector<std::string>&) {
   auto dtype = shardformer::ParseModelDType(absl::GetFlag(FLAGS_dtype));
   if (!dtype.ok()) return Usage(absl::StrCat("consolidate: --dtype: ", dtype.status().message()));
   if (std::optional<int> refused = RefuseAModelThere("consolidate", out)) return *refused;
-  const absl::Status s = shardformer::ConsolidateCheckpoint(checkpoint, out, *dtype);
+  const absl::Status s = train::ConsolidateTrainingCheckpoint(checkpoint, out, *dtype);
   if (!s.ok()) return Fail(s);
   std::printf("wrote %s/model.safetensors and %s/config.json\n", out.c_str(), out.c_str());
   return 0;

@@ -125,7 +125,8 @@ ABSL_FLAG(
     "master weights, rounded once; f16 fails the write where a weight passes 65504).");
 ABSL_FLAG(std::string, dtype, "auto",
           "consolidate: the model's dtype: auto (each tensor in the dtype its parameters were saved in: a bf16 "
-          "run's model is bf16), f32, bf16 or f16.");
+          "run's model is bf16), f32, bf16 or f16 (of a mixed-precision run's training checkpoint: its f32 master "
+          "weights, rounded once).");
 ABSL_FLAG(std::string, device, "cpu",
           "forward, train without --coordinator: cpu (an embedded cluster of worker processes over Gloo) or cuda "
           "(rank r on this machine's CUDA device r, over NCCL); on a cluster (--coordinator) the workers' devices "

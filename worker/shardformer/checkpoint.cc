@@ -300,6 +300,11 @@ const char* TorchDTypeName(DType dtype) {
 }  // namespace
 
 absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir, std::optional<DType> dtype) {
+  return ConsolidateCheckpoint(dir, out_dir, dtype, nullptr);
+}
+
+absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir, std::optional<DType> dtype,
+                                   const BlockSource& source) {
   if (dtype.has_value() && !IsModelDType(*dtype)) {
     return absl::InvalidArgumentError("a model is written in f32, bf16 or f16");
   }
@@ -393,8 +398,21 @@ absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& ou
       const auto& [name, t] = *entry;
       ASSIGN_OR_RETURN(Tensor whole, Tensor::Zeros(t.global_shape, DType::kF32));
       for (const CheckpointBlock& b : t.blocks) {
-        ASSIGN_OR_RETURN(SafetensorsFile * f, file(b.file));
-        ASSIGN_OR_RETURN(Tensor piece, f->Read(name));
+        std::optional<Tensor> given;
+        if (source) {
+          ASSIGN_OR_RETURN(given, source(name, b));
+          if (given.has_value() && given->shape() != Shape(b.lengths.begin(), b.lengths.end())) {
+            return absl::InternalError(absl::StrCat("the block of ", name, " in ", b.file, " given is ",
+                                                    ShapeToString(given->shape()), ", not ", ShapeToString(b.lengths)));
+          }
+        }
+        Tensor piece;
+        if (given.has_value()) {
+          piece = *std::move(given);
+        } else {
+          ASSIGN_OR_RETURN(SafetensorsFile * f, file(b.file));
+          ASSIGN_OR_RETURN(piece, f->Read(name));
+        }
         Tensor dest = whole;
         for (size_t d = 0; d < t.global_shape.size(); ++d) {
           ASSIGN_OR_RETURN(dest, dest.Narrow(static_cast<int64_t>(d), b.starts[d], b.lengths[d]));

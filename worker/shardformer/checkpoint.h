@@ -119,6 +119,17 @@ bool IsModelDType(DType dtype);
 // allocate more than the rank files hold.
 absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir,
                                    std::optional<DType> dtype = std::nullopt);
+// Where a block's values come from in place of its rank file's (a training
+// checkpoint's f32 master weights): the block of parameter `param` that
+// `block` places, in its lengths' shape (any float dtype), or nullopt for
+// the rank file's. Called once a block as its tensor is made.
+using BlockSource =
+    std::function<absl::StatusOr<std::optional<Tensor>>(const std::string& param, const CheckpointBlock& block)>;
+// ConsolidateCheckpoint with the blocks from `source` where it gives them.
+// The rank files are checked all the same (shapes, coverage), and auto's
+// dtype is still theirs.
+absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir, std::optional<DType> dtype,
+                                   const BlockSource& source);
 
 }  // namespace colod::shardformer
 

@@ -816,6 +816,71 @@ std::optional<int64_t> PieceOffset(const std::string& name, const std::string& p
   return offset;
 }
 
+// A checkpoint's files, each opened once (OpenCheckpointFile) as asked for.
+class CheckpointFiles {
+ public:
+  explicit CheckpointFiles(std::string dir) : dir_(std::move(dir)) {}
+  absl::StatusOr<shardformer::SafetensorsFile*> Get(const std::string& name) {
+    std::unique_ptr<shardformer::SafetensorsFile>& f = files_[name];
+    if (f == nullptr) {
+      ASSIGN_OR_RETURN(f, shardformer::OpenCheckpointFile(dir_ + "/" + name));
+    }
+    return f.get();
+  }
+  const std::string& dir() const { return dir_; }
+
+ private:
+  std::string dir_;
+  std::map<std::string, std::unique_ptr<shardformer::SafetensorsFile>> files_;
+};
+
+// Puts the elements [begin, begin + target.numel()) of state `prefix`
+// ("<param>.<state>") of one rank's local tensor into `target` (flat) from
+// the pieces the optimizer files `peers` hold (whole, or ZeRO's partitions
+// at any dp size; a whole state every dp replica wrote is read once).
+// INVALID_ARGUMENT naming `whose` state and the first element none covers.
+absl::Status AssembleState(CheckpointFiles& files, const std::vector<std::string>& peers, const std::string& prefix,
+                           int64_t begin, Tensor& target, absl::string_view whose) {
+  const int64_t end = begin + target.numel();
+  std::vector<std::pair<int64_t, int64_t>> covered;
+  // How far from `lo` the pieces read so far cover without a gap.
+  auto reached_from = [&covered](int64_t lo) {
+    std::vector<std::pair<int64_t, int64_t>> c = covered;
+    std::sort(c.begin(), c.end());
+    int64_t reached = lo;
+    for (const auto& [a, b] : c) {
+      if (a <= reached && b > reached) reached = b;
+    }
+    return reached;
+  };
+  for (const std::string& peer : peers) {
+    ASSIGN_OR_RETURN(shardformer::SafetensorsFile * f, files.Get(peer));
+    for (const auto& [name, info] : f->tensors()) {
+      const std::optional<int64_t> at = PieceOffset(name, prefix);
+      if (!at.has_value()) continue;
+      int64_t length = 1;
+      for (int64_t d : info.shape) length *= d;  // bounded by the file's size (validated on open)
+      if (*at > std::numeric_limits<int64_t>::max() - length) {
+        return absl::InvalidArgumentError(absl::StrCat(peer, ": ", name, " overflows its parameter"));
+      }
+      const int64_t lo = std::max(begin, *at), hi = std::min(end, *at + length);
+      if (lo >= hi || reached_from(lo) >= hi) continue;
+      ASSIGN_OR_RETURN(Tensor piece, f->Read(name));
+      ASSIGN_OR_RETURN(Tensor flat, piece.Reshape({piece.numel()}));
+      ASSIGN_OR_RETURN(Tensor part, flat.Narrow(0, lo - *at, hi - lo));
+      ASSIGN_OR_RETURN(Tensor into, target.Narrow(0, lo - begin, hi - lo));
+      RETURN_IF_ERROR(into.CopyFrom(part));
+      covered.emplace_back(lo, hi);
+    }
+  }
+  const int64_t reached = reached_from(begin);
+  if (reached < end) {
+    return absl::InvalidArgumentError(absl::StrCat(files.dir(), " lacks ", whose, " ", prefix, " from element ",
+                                                   reached, " (of [", begin, ", ", end, "))"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint, shardformer::ShardedModel& model,
@@ -847,14 +912,7 @@ absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
         "data_parallel_size), or consolidate it (coloctl consolidate) and train from the consolidated model"));
   }
   ASSIGN_OR_RETURN(const shardformer::CheckpointIndex index, shardformer::ReadCheckpointIndex(checkpoint));
-  std::map<std::string, std::unique_ptr<shardformer::SafetensorsFile>> files;
-  auto file = [&](const std::string& name) -> absl::StatusOr<shardformer::SafetensorsFile*> {
-    auto& f = files[name];
-    if (f == nullptr) {
-      ASSIGN_OR_RETURN(f, shardformer::OpenCheckpointFile(checkpoint + "/" + name));
-    }
-    return f.get();
-  };
+  CheckpointFiles files(checkpoint);
   NoGradScope no_grad;
   std::vector<shardformer::NamedParam> params;
   for (shardformer::ShardedModel* chunk : chunks) {
@@ -872,7 +930,7 @@ absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
       if (b.starts == mine.starts && b.lengths == mine.lengths) from = b.file;
     }
     if (from.empty()) return absl::InvalidArgumentError(absl::StrCat(checkpoint, " lacks this rank's ", p.name));
-    ASSIGN_OR_RETURN(shardformer::SafetensorsFile * f, file(from));
+    ASSIGN_OR_RETURN(shardformer::SafetensorsFile * f, files.Get(from));
     ASSIGN_OR_RETURN(Tensor value, f->Read(p.name));
     Tensor local = param.local();
     RETURN_IF_ERROR(local.CopyFrom(value));
@@ -883,50 +941,75 @@ absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
   // any dp size).
   ASSIGN_OR_RETURN(const std::vector<std::string> peers, PeerOptimFiles(saved_layout, pg));
   for (const Optimizer::StateTensor& t : optimizer.State()) {
-    const std::string prefix = absl::StrCat(t.param->name, ".", t.state);
-    const int64_t begin = t.offset, end = t.offset + t.value.numel();
     ASSIGN_OR_RETURN(Tensor target, t.value.Reshape({t.value.numel()}));
-    std::vector<std::pair<int64_t, int64_t>> covered;
-    // How far from `lo` the pieces read so far cover without a gap (a whole
-    // state every dp replica wrote is read once).
-    auto reached_from = [&covered](int64_t lo) {
-      std::vector<std::pair<int64_t, int64_t>> c = covered;
-      std::sort(c.begin(), c.end());
-      int64_t reached = lo;
-      for (const auto& [a, b] : c) {
-        if (a <= reached && b > reached) reached = b;
-      }
-      return reached;
-    };
-    for (const std::string& peer : peers) {
-      ASSIGN_OR_RETURN(shardformer::SafetensorsFile * f, file(peer));
-      for (const auto& [name, info] : f->tensors()) {
-        const std::optional<int64_t> at = PieceOffset(name, prefix);
-        if (!at.has_value()) continue;
-        int64_t length = 1;
-        for (int64_t d : info.shape) length *= d;  // bounded by the file's size (validated on open)
-        if (*at > std::numeric_limits<int64_t>::max() - length) {
-          return absl::InvalidArgumentError(absl::StrCat(peer, ": ", name, " overflows its parameter"));
-        }
-        const int64_t lo = std::max(begin, *at), hi = std::min(end, *at + length);
-        if (lo >= hi || reached_from(lo) >= hi) continue;
-        ASSIGN_OR_RETURN(Tensor piece, f->Read(name));
-        ASSIGN_OR_RETURN(Tensor flat, piece.Reshape({piece.numel()}));
-        ASSIGN_OR_RETURN(Tensor part, flat.Narrow(0, lo - *at, hi - lo));
-        ASSIGN_OR_RETURN(Tensor into, target.Narrow(0, lo - begin, hi - lo));
-        RETURN_IF_ERROR(into.CopyFrom(part));
-        covered.emplace_back(lo, hi);
-      }
-    }
-    const int64_t reached = reached_from(begin);
-    if (reached < end) {
-      return absl::InvalidArgumentError(absl::StrCat(checkpoint, " lacks this rank's ", prefix, " from element ",
-                                                     reached, " (of [", begin, ", ", end, "))"));
-    }
+    RETURN_IF_ERROR(
+        AssembleState(files, peers, absl::StrCat(t.param->name, ".", t.state), t.offset, target, "this rank's"));
   }
   ASSIGN_OR_RETURN(const int64_t optimizer_steps, CountField(state, "optimizer_steps", where));
   optimizer.set_steps(optimizer_steps);
   return ReadTrainState(checkpoint);
+}
+
+absl::Status ConsolidateTrainingCheckpoint(const std::string& dir, const std::string& out_dir,
+                                           std::optional<DType> dtype) {
+  if (!IsRegularFile(absl::StrCat(dir, "/", kState))) return shardformer::ConsolidateCheckpoint(dir, out_dir, dtype);
+  ASSIGN_OR_RETURN(const Resumed state, ReadTrainState(dir));
+  const DType saved = state.param_dtype.value_or(DType::kF32);  // (before 2026-12: f32 runs only)
+  if (!dtype.has_value() || !shardformer::IsModelDType(*dtype) || *dtype == saved || saved == DType::kF32) {
+    return shardformer::ConsolidateCheckpoint(dir, out_dir, dtype);
+  }
+  // Every file opens and validates before anything is written.
+  RETURN_IF_ERROR(Validate(dir));
+  // The mesh it was written at (the index's), to find each block's rank's
+  // dp peers: the ranks whose other coordinates are its own, which hold
+  // the pieces of its master weights under ZeRO.
+  ASSIGN_OR_RETURN(const Json index, ReadJson(absl::StrCat(dir, "/", shardformer::kCheckpointIndex)));
+  std::vector<MeshAxis> axes;
+  if (index.contains("mesh") && index["mesh"].is_array()) {
+    for (const Json& a : index["mesh"]) {
+      if (!a.is_object() || !a.contains("name") || !a["name"].is_string() || !a.contains("size") ||
+          !a["size"].is_number_integer() || a["size"].get<int64_t>() < 1 || a["size"].get<int64_t>() > kMaxWorldSize) {
+        return absl::InvalidArgumentError(absl::StrCat(dir, "/", shardformer::kCheckpointIndex,
+                                                       ": a mesh axis is not "
+                                                       "a name and a size"));
+      }
+      axes.push_back(MeshAxis{a["name"].get<std::string>(), static_cast<int>(a["size"].get<int64_t>())});
+    }
+  }
+  absl::StatusOr<DeviceMesh> mesh = DeviceMesh::Create(axes);
+  if (!mesh.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(dir, "/", shardformer::kCheckpointIndex, ": its mesh: ", mesh.status().message()));
+  }
+  const int world = mesh->world_size();
+  const std::vector<int> dp_axes = mesh->AxisIndices("dp").value_or(std::vector<int>{});
+  std::map<std::string, int> rank_of;
+  for (int r = 0; r < world; ++r) rank_of[absl::StrFormat("rank-%05d-of-%05d.safetensors", r, world)] = r;
+  CheckpointFiles files(dir);
+  const shardformer::BlockSource masters =
+      [&](const std::string& param, const shardformer::CheckpointBlock& b) -> absl::StatusOr<std::optional<Tensor>> {
+    auto at = rank_of.find(b.file);
+    if (at == rank_of.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(dir, ": ", b.file, " is not a rank file of its ", world, " ranks"));
+    }
+    const std::vector<int> mine = mesh->Coordinates(at->second);
+    std::vector<std::string> peers;
+    for (int r = 0; r < world; ++r) {
+      const std::vector<int> theirs = mesh->Coordinates(r);
+      bool same = true;
+      for (size_t a = 0; same && a < mine.size(); ++a) {
+        same = std::find(dp_axes.begin(), dp_axes.end(), static_cast<int>(a)) != dp_axes.end() || theirs[a] == mine[a];
+      }
+      if (same) peers.push_back(OptimFile(r, world));
+    }
+    int64_t elements = 1;
+    for (int64_t l : b.lengths) elements *= l;  // (the index's blocks were checked against their files)
+    ASSIGN_OR_RETURN(Tensor master, Tensor::Zeros({elements}, DType::kF32));
+    RETURN_IF_ERROR(AssembleState(files, peers, param + ".master", 0, master, absl::StrCat(b.file, "'s")));
+    return master.Reshape(Shape(b.lengths.begin(), b.lengths.end()));
+  };
+  return shardformer::ConsolidateCheckpoint(dir, out_dir, dtype, masters);
 }
 
 }  // namespace colod::train

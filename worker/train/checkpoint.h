@@ -249,6 +249,18 @@ void SetCheckpointBeforeInstallHookForTesting(std::function<void(ProcessGroup&)>
 void SetCheckpointBeforeWriteHookForTesting(std::function<void(ProcessGroup&, const std::string& tmp)> hook);
 }  // namespace internal
 
+// shardformer::ConsolidateCheckpoint of `dir`, a training checkpoint (a
+// step directory) or a sharded one: where `dtype` is given and differs from
+// a mixed-precision run's parameters' (f32 after bf16, f16 after bf16, ...),
+// each block is the run's f32 master weights instead (the optimizer state
+// "master", put together from the pieces of the block's rank's dp peers:
+// ZeRO's partitions at the dp it was saved at), so that the model is what
+// the updates ran on rounded once, as a run's --final-dtype writes it. The
+// checkpoint's every file is validated first; INVALID_ARGUMENT naming a
+// block whose master weights are not all there.
+absl::Status ConsolidateTrainingCheckpoint(const std::string& dir, const std::string& out_dir,
+                                           std::optional<DType> dtype);
+
 }  // namespace colod::train
 
 #endif  // COLOD_WORKER_TRAIN_CHECKPOINT_H_

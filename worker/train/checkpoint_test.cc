@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -31,7 +32,9 @@
 #include "tests/testing/full_disk.h"
 #include "tests/testing/no_rename_exchange.h"
 #include "tests/testing/temp_dir.h"
+#include "worker/shardformer/model_files.h"
 #include "worker/shardformer/run_forward.h"
+#include "worker/shardformer/safetensors.h"
 #include "worker/shardformer/testing.h"
 #include "worker/train/train_testing.h"
 #include "worker/train/trainer.h"
@@ -221,6 +224,85 @@ TEST(Retention, ATrainingRunKeepsItsNewestAndBestAndAFullDiskLosesNothing) {
   const std::vector<StepStats> resumed = testing::Losses(more);
   ASSERT_EQ(resumed.size(), 2u);
   EXPECT_EQ(resumed[0].step, 7);
+}
+
+// A bf16 run's training checkpoint consolidated in another dtype is made of
+// its f32 master weights (the optimizer state, put together over the dp
+// ranks that hold its pieces under ZeRO): the same model the run's own
+// --final-dtype f32 writes, bit for bit, and its f16 is those rounded once.
+// Auto (and an fp32 run's) is the parameters as saved.
+TEST(Consolidation, ATrainingCheckpointInAnotherDTypeIsItsMasterWeights) {
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("masters_gpt2"), testing::TinyByteLevel());
+  ASSERT_TRUE(model.ok()) << model.status();
+  for (const int zero : {0, 2}) {
+    TrainOptions o = testing::SmallRun(model->dir, 2, 2, 1);
+    o.seq_len = 16;
+    o.warmup_steps = 0;
+    o.shard.param_dtype = DType::kBF16;
+    o.zero_stage = zero;
+    o.save_dir = TempPath(absl::StrCat("masters_ck", zero));
+    o.save_every = 1;
+    o.final_dir = TempPath(absl::StrCat("masters_final", zero));
+    o.final_dtype = DType::kF32;
+    ASSERT_EQ(testing::Losses(o).size(), 1u);
+    const std::string step = StepDir(o.save_dir, 1);
+    const auto read = [](const std::string& dir) {
+      std::map<std::string, Tensor> out;
+      auto files = shardformer::ModelFiles::Open(dir);
+      EXPECT_TRUE(files.ok()) << files.status();
+      if (!files.ok()) return out;
+      for (const std::string& name : (*files)->Names()) out[name] = *(*files)->Read(name);
+      return out;
+    };
+    const std::string f32 = TempPath(absl::StrCat("masters_f32_", zero));
+    ASSERT_TRUE(ConsolidateTrainingCheckpoint(step, f32, DType::kF32).ok());
+    const std::map<std::string, Tensor> from_checkpoint = read(f32), from_run = read(o.final_dir);
+    ASSERT_EQ(from_checkpoint.size(), from_run.size());
+    ASSERT_FALSE(from_run.empty());
+    for (const auto& [name, t] : from_run) {
+      const Tensor& got = from_checkpoint.at(name);
+      ASSERT_EQ(got.dtype(), DType::kF32) << name;
+      ASSERT_EQ(got.shape(), t.shape()) << name;
+      EXPECT_EQ(std::memcmp(got.raw_data(), t.raw_data(), t.nbytes()), 0) << name << " (ZeRO " << zero << ")";
+    }
+    const std::string f16 = TempPath(absl::StrCat("masters_f16_", zero));
+    ASSERT_TRUE(ConsolidateTrainingCheckpoint(step, f16, DType::kF16).ok());
+    for (const auto& [name, t] : read(f16)) {
+      const Tensor rounded = *from_run.at(name).ToDType(DType::kF16);
+      EXPECT_EQ(std::memcmp(rounded.raw_data(), t.raw_data(), t.nbytes()), 0) << name << " (ZeRO " << zero << ")";
+    }
+    // Auto: the bf16 parameters as saved, the masters' rounding.
+    const std::string automatic = TempPath(absl::StrCat("masters_auto_", zero));
+    ASSERT_TRUE(ConsolidateTrainingCheckpoint(step, automatic, std::nullopt).ok());
+    int64_t elements = 0, finer = 0;
+    for (const auto& [name, t] : read(automatic)) {
+      ASSERT_EQ(t.dtype(), DType::kBF16) << name;
+      const Tensor rounded = *from_run.at(name).ToDType(DType::kBF16);
+      EXPECT_EQ(std::memcmp(rounded.raw_data(), t.raw_data(), t.nbytes()), 0) << name;
+      const Tensor wide = *t.ToDType(DType::kF32);
+      for (int64_t e = 0; e < t.numel(); ++e) finer += wide.data<float>()[e] != from_run.at(name).data<float>()[e];
+      elements += t.numel();
+    }
+    EXPECT_GT(finer, elements / 2) << "the masters hold more than the bf16 parameters";
+  }
+  // A checkpoint whose optimizer state lacks a rank's master weights is
+  // refused, naming what is missing, and writes nothing.
+  const std::string step = StepDir(TempPath("masters_ck2"), 1);
+  const std::string optim = step + "/optim-rank-00001-of-00004.safetensors";
+  auto state = shardformer::SafetensorsFile::Open(optim);
+  ASSERT_TRUE(state.ok()) << state.status();
+  std::vector<std::pair<std::string, Tensor>> kept;
+  for (const auto& [name, info] : (*state)->tensors()) {
+    if (name.find(".master") == std::string::npos) kept.emplace_back(name, *(*state)->Read(name));
+  }
+  ASSERT_LT(kept.size(), (*state)->tensors().size());
+  state->reset();
+  ASSERT_TRUE(shardformer::WriteSafetensors(optim, kept).ok());
+  const std::string refused_out = TempPath("masters_refused");
+  const absl::Status refused = ConsolidateTrainingCheckpoint(step, refused_out, DType::kF32);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(refused.message().find(".master from element"), std::string::npos) << refused;
+  EXPECT_FALSE(fs::exists(refused_out + "/model.safetensors"));
 }
 
 // A run killed after every step and resumed in the same directory is one
