@@ -212,15 +212,9 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
       }
       return !reserve->held();
     };
-    room.admit = [reserve]() -> absl::Status {
-      if (reserve->held()) return absl::OkStatus();
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the coordinator's --data-dir is full: the room it keeps for the running jobs' records (",
-          reserve->bytes() >> 20, " MiB, --data-dir-reserve) is not free, so it takes no new job or upload until ",
-          "there is room again"));
-    };
+    room.admit = [reserve] { return reserve->Admits(); };
     c->jobs_->SetRoomHooks(room);
-    c->uploads_->SetAdmit(room.admit);
+    c->uploads_->SetAdmit([reserve](int64_t bytes) { return reserve->LeavesRoomAfter(bytes); });
   }
   c->stalls_ = std::make_unique<StallWatchdog>(options.stream_stall_timeout);
   c->service_ = std::make_unique<CoordinatorServiceImpl>(c->workers_.get(), c->jobs_.get(), c->store_.get(),

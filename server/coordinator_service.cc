@@ -393,14 +393,20 @@ grpc::Status CoordinatorServiceImpl::UploadModel(grpc::ServerContext* ctx,
   return Instrument(ctx, "UploadModel", CallerRole::kClient, [&]() -> absl::Status {
     if (uploads_ == nullptr) return absl::UnimplementedError("this coordinator stores no uploads");
     ASSIGN_OR_RETURN(std::unique_ptr<UploadStore::Writer> writer, uploads_->Begin());
-    const std::unique_ptr<StallWatchdog::Watch> watch =
+    std::unique_ptr<StallWatchdog::Watch> watch =
         stalls_ != nullptr ? stalls_->Start(ctx, absl::StrCat("UploadModel from ", ctx->peer())) : nullptr;
     v1::UploadModelRequest req;
     while (reader->Read(&req)) {
-      if (watch != nullptr) watch->Progress();
+      // Only bytes move an upload: chunks without data would hold its place
+      // (and one of --max-concurrent-uploads) for ever.
+      if (watch != nullptr && !req.chunk().data().empty()) watch->Progress();
       RETURN_IF_ERROR(writer->Add(req.chunk()));
     }
-    if (watch != nullptr && watch->stalled()) {
+    // The watch ends before Finish, which syncs every file (minutes on a
+    // slow disk): a cancel then would reach a client whose upload is stored.
+    const bool stalled = watch != nullptr && watch->stalled();
+    watch.reset();
+    if (stalled) {
       return absl::DeadlineExceededError("no chunk came for --stream-stall-timeout: the upload was cancelled");
     }
     if (ctx->IsCancelled()) return absl::CancelledError("the upload was cancelled");

@@ -773,7 +773,8 @@ TEST(CoordinatorStart, StalledTransfersAreCancelledAndFreeTheirPlace) {
   stalled.TryCancel();
   (void)idle->Finish();
 
-  // An upload that sends one chunk and then nothing.
+  // An upload that sends one chunk and then only chunks without data
+  // (which moved the watch before 2026-12-07, holding the place for ever).
   grpc::ClientContext upload_ctx;
   v1::UploadModelResponse upload_resp;
   auto writer = stub.UploadModel(&upload_ctx, &upload_resp);
@@ -786,6 +787,13 @@ TEST(CoordinatorStart, StalledTransfersAreCancelledAndFreeTheirPlace) {
   // was then refused, not stalled.
   for (int i = 0; i < 1000 && (*c)->watched_streams() < 1; ++i) absl::SleepFor(absl::Milliseconds(10));
   ASSERT_EQ((*c)->watched_streams(), 1);
+  std::thread empty_chunks([&writer] {
+    v1::UploadModelRequest empty;
+    empty.mutable_chunk()->set_file("model.safetensors");
+    empty.mutable_chunk()->set_offset(5);
+    const absl::Time until = absl::Now() + absl::Seconds(20);
+    while (absl::Now() < until && writer->Write(empty)) absl::SleepFor(absl::Milliseconds(100));
+  });
   bool uploaded_again = false;
   for (int attempt = 0; attempt < 100 && !uploaded_again; ++attempt) {
     auto again = (*client)->UploadModel(dir, absl::Seconds(30));
@@ -796,6 +804,7 @@ TEST(CoordinatorStart, StalledTransfersAreCancelledAndFreeTheirPlace) {
     }
   }
   EXPECT_TRUE(uploaded_again) << "the stalled upload's place never came free";
+  empty_chunks.join();  // (its writes fail once the call is cancelled)
   const grpc::Status ended = writer->Finish();
   EXPECT_FALSE(ended.ok());
   EXPECT_GE((*c)->stalled_streams(), 2);

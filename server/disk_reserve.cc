@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <filesystem>
 #include <system_error>
@@ -44,6 +45,23 @@ absl::StatusOr<std::unique_ptr<DiskReserve>> DiskReserve::Create(std::string pat
   absl::MutexLock lock(&r->mu_);
   r->held_ = true;
   return r;
+}
+
+absl::Status DiskReserve::Admits() const {
+  if (held()) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the coordinator's --data-dir is full: the room it keeps for the running jobs' records (", bytes_ >> 20,
+      " MiB, --data-dir-reserve) is not free, so it takes no new job or upload until there is room again"));
+}
+
+absl::Status DiskReserve::LeavesRoomAfter(int64_t bytes) const {
+  RETURN_IF_ERROR(Admits());
+  const absl::StatusOr<DiskSpace> fs = Space();
+  if (!fs.ok() || fs->free_bytes - std::max<int64_t>(bytes, 0) >= bytes_) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the coordinator's --data-dir has ", fs->free_bytes >> 20, " MiB free: an upload leaves at least ", bytes_ >> 20,
+      " MiB (--data-dir-reserve) beside the reserve for the running jobs' records; free room there (coloctl "
+      "uploads are removed an hour after their last use) or retry later"));
 }
 
 absl::StatusOr<DiskSpace> DiskReserve::Space() const {

@@ -37,6 +37,17 @@ class DiskReserve {
   // room for twice its size: true where it is held after the call.
   bool Refill();
   bool held() const;
+  // OK while held; else RESOURCE_EXHAUSTED saying that the coordinator
+  // takes no new job or upload until there is room again.
+  absl::Status Admits() const;
+  // Whether a bulk write of `bytes` (an upload's chunk) leaves the file
+  // system room for the job records: held, and as much free again as the
+  // reserve after the write (Admits, then RESOURCE_EXHAUSTED naming the room
+  // otherwise; OK where the file system cannot be examined: a write then
+  // shows).
+  // Uploads never bring the disk to the reserve: a record write gives it
+  // up only when the records themselves filled it.
+  absl::Status LeavesRoomAfter(int64_t bytes) const;
   int64_t bytes() const { return bytes_; }
   const std::string& path() const { return path_; }
 

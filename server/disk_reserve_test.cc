@@ -51,6 +51,30 @@ TEST(DiskReserve, HoldsAnAllocatedFileThatReleaseRemovesAndRefillTakesBack) {
   EXPECT_EQ(DiskReserve::Create(path, 0).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// An upload's chunk is admitted while the reserve is held and the file
+// system keeps as much room again as the reserve after it: a chunk that
+// would leave less is refused, naming the room, so that uploads never bring
+// the disk to the reserve that the job records need.
+TEST(DiskReserve, ABulkWriteLeavesAsMuchRoomAgainAsTheReserve) {
+  const std::string path = Path("bulk-reserve");
+  constexpr int64_t kBytes = 1 << 20;
+  absl::StatusOr<std::unique_ptr<DiskReserve>> r = DiskReserve::Create(path, kBytes);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE((*r)->Admits().ok());
+  EXPECT_TRUE((*r)->LeavesRoomAfter(0).ok());
+  EXPECT_TRUE((*r)->LeavesRoomAfter(4 << 20).ok());
+  absl::StatusOr<DiskSpace> room = FreeDiskSpace(std::getenv("TEST_TMPDIR"));
+  ASSERT_TRUE(room.ok()) << room.status();
+  // (Others may write meanwhile: a chunk of all the room, less half the
+  // reserve, leaves less than the reserve whatever they do.)
+  const absl::Status refused = (*r)->LeavesRoomAfter(room->free_bytes - kBytes / 2);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("MiB free: an upload leaves at least 1 MiB"), std::string::npos) << refused;
+  ASSERT_TRUE((*r)->Release());
+  EXPECT_EQ((*r)->Admits().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ((*r)->LeavesRoomAfter(0).code(), absl::StatusCode::kResourceExhausted) << "not held";
+}
+
 // More than half the file system can never be taken back: refused. One
 // the disk has no room for (a full disk, made with RLIMIT_FSIZE): not held
 // and no file left (a start goes on without it), not taken back while

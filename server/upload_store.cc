@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <filesystem>
+#include <limits>
 #include <system_error>
 
 #include "absl/random/random.h"
@@ -97,8 +98,14 @@ absl::StatusOr<std::unique_ptr<UploadStore>> UploadStore::Open(const std::string
       continue;
     }
     const int64_t n = UploadCounter(name);
-    if (n > 0) next = std::max(next, n + 1);
+    if (n > 0 && n < std::numeric_limits<int64_t>::max()) next = std::max(next, n + 1);
     if (n > 0 && fs::is_directory(path, ec)) ids.push_back(name);
+    // A hash whose upload is gone (a removal cut short before 2026-12-07
+    // removed the directory first).
+    if (absl::EndsWith(name, ".sha256") && IsRegularFile(path) &&
+        !fs::is_directory(dir + "/" + name.substr(0, name.size() - 7), ec)) {
+      fs::remove(path, ec);
+    }
   }
   std::unique_ptr<UploadStore> store(new UploadStore(dir, next, limits, clock));
   absl::MutexLock lock(&store->mu_);
@@ -119,7 +126,7 @@ absl::StatusOr<std::unique_ptr<UploadStore>> UploadStore::Open(const std::string
 UploadStore::~UploadStore() = default;
 
 absl::StatusOr<std::unique_ptr<UploadStore::Writer>> UploadStore::Begin() {
-  if (admit_) RETURN_IF_ERROR(admit_());
+  if (admit_) RETURN_IF_ERROR(admit_(0));
   absl::MutexLock lock(&mu_);
   if (writers_ >= limits_.max_concurrent_uploads) {
     return absl::ResourceExhaustedError(absl::StrCat(writers_, " uploads are in progress, the coordinator's ",
@@ -180,7 +187,7 @@ std::string SizeBytes(int64_t n) {
 }  // namespace
 
 absl::Status UploadStore::Writer::Add(const v1::ModelChunk& chunk) {
-  if (store_->admit_) RETURN_IF_ERROR(store_->admit_());
+  if (store_->admit_) RETURN_IF_ERROR(store_->admit_(static_cast<int64_t>(chunk.data().size())));
   if (!IsPlainFileName(chunk.file())) {
     return absl::InvalidArgumentError(absl::StrCat("chunk.file: '", chunk.file(), "' is not a file name"));
   }
@@ -204,6 +211,7 @@ absl::Status UploadStore::Writer::Add(const v1::ModelChunk& chunk) {
     if (!file_.empty()) hash_->Update(SizeBytes(offset_));  // the previous file's end
     std::error_code ec;
     fs::create_directories(tmp_, ec);
+    if (ec) return FileError("cannot create", tmp_, ec.value());  // (ENOSPC: RESOURCE_EXHAUSTED)
     errno = 0;
     out_.open(tmp_ + "/" + chunk.file(), std::ios::binary | std::ios::trunc);
     if (!out_) return FileError("cannot create", tmp_ + "/" + chunk.file(), errno != 0 ? errno : EIO);
@@ -266,7 +274,7 @@ absl::StatusOr<v1::UploadModelResponse> UploadStore::Writer::Finish() {
   // its recorded hash then deduplicates onto.
   if (absl::Status s = SyncFilesAndDirectory(tmp_); !s.ok()) return s;
   fs::rename(tmp_, final_, ec);
-  if (ec) return absl::InternalError(absl::StrCat("cannot publish the upload: ", ec.message()));
+  if (ec) return FileError("cannot publish the upload as", final_, ec.value());
   // The rename durable before the upload id is handed out (a job record
   // naming it survives a power loss; the upload must too): not left to the
   // hash's write below, which may fail on a full disk.
@@ -348,16 +356,26 @@ std::vector<std::string> UploadStore::CollectGarbage(const std::set<std::string>
         continue;
       }
       removed.push_back(it->first);
-      if (!it->second.sha256.empty()) by_sha_.erase(it->second.sha256);
+      // (The hash may name a copy finished beside it, which stays.)
+      if (auto same = by_sha_.find(it->second.sha256); same != by_sha_.end() && same->second == it->first) {
+        by_sha_.erase(same);
+      }
       stored_bytes_ -= it->second.bytes;
       it = stored_.erase(it);
     }
   }
-  // Outside the lock: removing files blocks.
+  // Outside the lock: removing files blocks. The hash goes first and the
+  // directory is renamed out of the uploads' names before its files go: a
+  // crash midway leaves a .tmp, which the next Open removes, never a
+  // half-removed upload that Open would load as whole (and deduplicate a
+  // new upload of the same model onto).
   for (const std::string& id : removed) {
     std::error_code ec;
-    fs::remove_all(dir_ + "/" + id, ec);
     fs::remove(dir_ + "/" + id + ".sha256", ec);
+    const std::string doomed = absl::StrCat(dir_, "/", id, ".removed.tmp");
+    fs::rename(dir_ + "/" + id, doomed, ec);
+    fs::remove_all(ec ? dir_ + "/" + id : doomed, ec);
+    if (ec) COLOD_LOG(WARNING) << "cannot remove the expired upload " << id << ": " << ec.message();
   }
   return removed;
 }

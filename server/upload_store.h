@@ -91,10 +91,12 @@ class UploadStore {
   // max_concurrent_uploads are in progress; or admit's error (below).
   absl::StatusOr<std::unique_ptr<Writer>> Begin();
 
-  // While it returns an error, Begin refuses uploads and Writer::Add their
-  // chunks with it (the coordinator's data dir is full: the room it keeps
-  // for the job records must not go to an upload). Set before any upload.
-  void SetAdmit(std::function<absl::Status()> admit) { admit_ = std::move(admit); }
+  // Asked before an upload begins (`bytes` 0) and before each chunk is
+  // written (`bytes` its data): where it returns an error, Begin refuses
+  // the upload and Writer::Add the chunk with it (the coordinator's data
+  // dir is full, or would be after the chunk: the room it keeps for the job
+  // records must not go to an upload). Set before any upload.
+  void SetAdmit(std::function<absl::Status(int64_t bytes)> admit) { admit_ = std::move(admit); }
 
   // One download in progress: it holds one of max_concurrent_downloads and
   // keeps its upload from being collected until it is destroyed. A Reading
@@ -150,7 +152,7 @@ class UploadStore {
 
   const std::string dir_;
   const Limits limits_;
-  std::function<absl::Status()> admit_;  // set before any upload
+  std::function<absl::Status(int64_t bytes)> admit_;  // set before any upload
   Clock* const clock_;
   mutable absl::Mutex mu_;
   int64_t next_ ABSL_GUARDED_BY(mu_);

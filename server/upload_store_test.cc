@@ -167,11 +167,14 @@ TEST(UploadStore, NoUploadTakesTheRoomKeptForTheJobRecords) {
   auto store = UploadStore::Open(dir);
   ASSERT_TRUE(store.ok()) << store.status();
   bool full = false;
-  (*store)->SetAdmit([&full]() -> absl::Status {
+  std::vector<int64_t> asked;  // the bytes each admit was asked about
+  (*store)->SetAdmit([&](int64_t bytes) -> absl::Status {
+    asked.push_back(bytes);
     return full ? absl::ResourceExhaustedError("the data dir is full") : absl::OkStatus();
   });
   auto w = Begin(**store);
   ASSERT_TRUE(w->Add(Chunk("model.safetensors", 0, "abc")).ok());
+  EXPECT_EQ(asked, (std::vector<int64_t>{0, 3})) << "the upload, then its chunk's bytes";
   full = true;
   const absl::Status refused = w->Add(Chunk("model.safetensors", 3, "def"));
   EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
@@ -358,6 +361,58 @@ TEST(UploadStore, UploadsNoJobNamesAreCollectedAfterTheirGrace) {
   auto again = w->Finish();
   ASSERT_TRUE(again.ok());
   EXPECT_FALSE(again->deduplicated());
+}
+
+// A collection cut short (the coordinator killed while it removes an
+// expired upload's files) leaves nothing the next start loads as an
+// upload: the hash goes first, and the directory is renamed out of the
+// uploads' names before its files go (a .tmp, which Open removes). A hash
+// whose directory is gone is removed at start too: a new upload of the
+// same files is stored, not deduplicated onto a half-removed one.
+TEST(UploadStore, ACollectionCutShortLeavesNoUploadToLoad) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/uploads-gc-crash";
+  std::filesystem::remove_all(dir);
+  FakeClock clock;
+  std::string id, sha;
+  {
+    auto store = UploadStore::Open(dir, UploadLimits(), &clock);
+    ASSERT_TRUE(store.ok());
+    auto w = Begin(**store);
+    ASSERT_TRUE(w->Add(Chunk("a.safetensors", 0, "aaa")).ok());
+    ASSERT_TRUE(w->Add(Chunk("b.safetensors", 0, "bbb")).ok());
+    auto done = w->Finish();
+    ASSERT_TRUE(done.ok()) << done.status();
+    id = done->upload_id();
+    sha = done->sha256();
+  }
+  // What a removal cut short leaves: the directory renamed aside, one file
+  // of it gone; its hash still there (as the order of before 2026-12-07
+  // could leave it); and another upload's half-removed directory.
+  std::filesystem::rename(dir + "/" + id, dir + "/" + id + ".removed.tmp");
+  std::filesystem::remove(dir + "/" + id + ".removed.tmp/a.safetensors");
+  const std::string aside = dir + "/upload-000009-00000000000000ab";
+  std::filesystem::create_directories(aside + ".removed.tmp");
+  std::ofstream(aside + ".removed.tmp/b.safetensors") << "bbb";
+  auto reopened = UploadStore::Open(dir, UploadLimits(), &clock);
+  ASSERT_TRUE(reopened.ok());
+  EXPECT_FALSE((*reopened)->Exists(id));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/" + id + ".removed.tmp"));
+  EXPECT_FALSE(std::filesystem::exists(aside + ".removed.tmp"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/" + id + ".sha256")) << "a hash without its upload";
+  EXPECT_EQ((*reopened)->bytes(), 0);
+  auto w = Begin(**reopened);
+  ASSERT_TRUE(w->Add(Chunk("a.safetensors", 0, "aaa")).ok());
+  ASSERT_TRUE(w->Add(Chunk("b.safetensors", 0, "bbb")).ok());
+  auto again = w->Finish();
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->sha256(), sha);
+  EXPECT_FALSE(again->deduplicated()) << "stored anew, whole";
+  EXPECT_EQ(Read(dir + "/" + again->upload_id() + "/a.safetensors"), "aaa");
+  // A collection leaves neither the directory nor the hash, nor anything
+  // beside them.
+  clock.Advance(absl::Hours(2));
+  EXPECT_EQ((*reopened)->CollectGarbage({}, absl::Hours(1)), std::vector<std::string>{again->upload_id()});
+  EXPECT_TRUE(std::filesystem::is_empty(dir));
 }
 
 // Downloads in progress at once are bounded (each is a stream holding a
