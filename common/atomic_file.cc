@@ -146,6 +146,10 @@ absl::Status WriteFileAtomicallyStreamed(const std::string& path,
 }
 
 absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
+  return ReadFileToString(path, std::numeric_limits<int64_t>::max());
+}
+
+absl::StatusOr<std::string> ReadFileToString(const std::string& path, int64_t max_bytes) {
   // Not blocked in open by a FIFO without a writer; a pipe with one (a
   // shell's <(...)) is read to its end, blocking again.
   const int fd = OpenWithoutWaiting(path, O_RDONLY);
@@ -166,11 +170,18 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
     return FileError("cannot read", path, err);
   }
   std::string out;
-  if (S_ISREG(info.st_mode) && info.st_size > 0) out.reserve(static_cast<size_t>(info.st_size));
+  if (S_ISREG(info.st_mode) && info.st_size > 0 && info.st_size <= max_bytes) {
+    out.reserve(static_cast<size_t>(info.st_size));
+  }
   char buffer[1 << 16];
   absl::Status s;
   for (;;) {
     const ssize_t n = ::read(fd, buffer, sizeof(buffer));
+    if (n > 0 && static_cast<int64_t>(out.size()) > max_bytes - n) {
+      s = absl::FailedPreconditionError(absl::StrCat("cannot read '", path, "': it holds more than the ", max_bytes,
+                                                     " bytes measured (it grew, or a pipe took its place)"));
+      break;
+    }
     if (n > 0) {
       out.append(buffer, static_cast<size_t>(n));
     } else if (n == 0) {

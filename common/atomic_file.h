@@ -81,6 +81,10 @@ const char* FileKind(mode_t mode);
 // fails midway (never a shorter content). A FIFO without a writer reads as
 // empty rather than blocking.
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);
+// The same, reading at most `max_bytes`: FAILED_PRECONDITION where `path`
+// holds more (a file measured before it grew, or that a FIFO took the place
+// of since, fed without end), never more memory than the caller measured.
+absl::StatusOr<std::string> ReadFileToString(const std::string& path, int64_t max_bytes);
 
 // A regular file open for reads at given offsets, closed when it goes. The
 // way a daemon reads large inputs (weights, token files) rather than mapping

@@ -7,7 +7,6 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -118,14 +117,12 @@ int64_t ElementBytes(absl::string_view descr) {
 }  // namespace
 
 absl::StatusOr<NpyInfo> ReadNpyInfo(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  // A regular file, never waited on in open (a FIFO in its place).
+  ASSIGN_OR_RETURN(const RegularFileReader file, RegularFileReader::Open(path));
   // The header: at most 65535 bytes (ParseHeader refuses longer ones),
   // after 10 or 12 bytes of magic, version and length.
-  std::string prefix(12 + 65535, '\0');
-  in.read(prefix.data(), static_cast<std::streamsize>(prefix.size()));
-  if (in.bad()) return absl::FailedPreconditionError(absl::StrCat("reading ", path, " failed"));
-  prefix.resize(static_cast<size_t>(in.gcount()));
+  std::string prefix(static_cast<size_t>(std::min<int64_t>(12 + 65535, file.size())), '\0');
+  RETURN_IF_ERROR(file.ReadAt(0, prefix.data(), prefix.size()));
   ASSIGN_OR_RETURN(const Header h, ParseHeader(prefix, path));
   NpyInfo info;
   info.descr = h.descr;
@@ -211,7 +208,9 @@ absl::StatusOr<Tensor> ReadNpy(const std::string& path, NpySource source) {
           available / double{1 << 30}));
     }
   }
-  ASSIGN_OR_RETURN(const std::string bytes, ReadFileToString(path));
+  // A regular file: at most the bytes its memory check measured (a FIFO
+  // fed without end in its place is not read past them).
+  ASSIGN_OR_RETURN(const std::string bytes, pipe ? ReadFileToString(path) : ReadFileToString(path, st.st_size));
   return ParseNpy(bytes, path);
 }
 

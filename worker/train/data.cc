@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <limits>
 #include <optional>
 #include <sstream>
@@ -108,7 +107,14 @@ class IndexStream {
 // tile the .bin from the first pointer on), then its document boundaries,
 // each read in order: the documents' token offsets are the running sums of
 // the lengths up to each boundary.
-absl::StatusOr<MegatronIndex> ParseMegatronIndex(const RegularFileReader& idx, int64_t bin_bytes) {
+//
+// Its counts are bounded by the file's apparent size, which a sparse file
+// makes as large as it likes for a few KiB on disk: the passes poll
+// `stopped` (an abort ends them), and the documents' starts are kept only
+// where they grow (an empty document adds no cut), after a check that they
+// fit in memory.
+absl::StatusOr<MegatronIndex> ParseMegatronIndex(const RegularFileReader& idx, int64_t bin_bytes,
+                                                 const std::function<bool()>& stopped) {
   const std::string& where = idx.path();
   const int64_t idx_bytes = idx.size();
   auto bad = [&](absl::string_view what) {
@@ -139,16 +145,25 @@ absl::StatusOr<MegatronIndex> ParseMegatronIndex(const RegularFileReader& idx, i
     return bad("its counts are larger than the file");
   }
   const int64_t n = static_cast<int64_t>(sequences), d = static_cast<int64_t>(docs);
-  const std::optional<int64_t> need =
-      CheckedAdd(kMegatronHeaderBytes, *CheckedAdd(*CheckedMul(n, 12), *CheckedMul(d, 8)));
+  // (Each product checked: a sparse file's size lets them pass int64.)
+  const std::optional<int64_t> n12 = CheckedMul(n, 12), d8 = CheckedMul(d, 8);
+  const std::optional<int64_t> body = n12.has_value() && d8.has_value() ? CheckedAdd(*n12, *d8) : std::nullopt;
+  const std::optional<int64_t> need = body.has_value() ? CheckedAdd(kMegatronHeaderBytes, *body) : std::nullopt;
   if (!need.has_value() || *need > idx_bytes) {
     return bad(absl::StrCat(idx_bytes, " bytes cannot hold ", n, " sequences and ", d, " document boundaries"));
   }
   const int64_t lengths = kMegatronHeaderBytes, pointers = lengths + 4 * n, bounds = pointers + 8 * n;
   if (n == 0) return bad("it holds no sequence");
+  const auto stop = [&](int64_t i) -> absl::Status {
+    if ((i & 0xfffff) == 0 && stopped && stopped()) {
+      return absl::CancelledError(absl::StrCat(where, ": stopped while its index was read"));
+    }
+    return absl::OkStatus();
+  };
   IndexStream length(idx, lengths, n, 4), pointer(idx, pointers, n, 8);
   int64_t expected = 0;
   for (int64_t i = 0; i < n; ++i) {
+    RETURN_IF_ERROR(stop(i));
     ASSIGN_OR_RETURN(const int64_t len, length.Next());
     ASSIGN_OR_RETURN(const int64_t at, pointer.Next());
     if (i == 0) out.first_byte = expected = at;
@@ -176,18 +191,30 @@ absl::StatusOr<MegatronIndex> ParseMegatronIndex(const RegularFileReader& idx, i
   if (d < 1 || from != 0 || LoadLittleEndianSigned(last, 8) != n) {
     return bad(absl::StrCat("its document boundaries do not run from sequence 0 to ", n));
   }
+  // At most one start a token and one a boundary, 8 bytes each (twice as
+  // the vector grows).
+  const std::optional<int64_t> starts_bytes = CheckedMul(std::min(d, out.tokens + 1), 16);
+  const int64_t available = AvailableHostMemoryBytes();
+  if (!starts_bytes.has_value() || *starts_bytes > available) {
+    return absl::ResourceExhaustedError(absl::StrCat(where, ": its ", d, " document boundaries would take ",
+                                                     starts_bytes.value_or(-1) >> 20, " MiB of memory, and ",
+                                                     available >> 20, " MiB is available"));
+  }
   // Sequence `next` starts at token `start` (the lengths' running sum):
   // boundaries only grow, so one pass over the lengths serves them all.
   IndexStream again(idx, lengths, n, 4);
   int64_t next = 0, start = 0;
   for (int64_t j = 0; j + 1 < d; ++j) {
+    RETURN_IF_ERROR(stop(j));
     ASSIGN_OR_RETURN(const int64_t to, bound.Next());
     if (from < 0 || to < from || to > n) return bad(absl::StrCat("document ", j, " spans sequences ", from, "..", to));
     for (; next < from; ++next) {
+      RETURN_IF_ERROR(stop(next));
       ASSIGN_OR_RETURN(const int64_t len, again.Next());
       start += len;
     }
-    out.documents.push_back(start);  // an empty last document (from == n) starts at the end
+    // (An empty last document, from == n, starts at the end.)
+    if (out.documents.empty() || start > out.documents.back()) out.documents.push_back(start);
     from = to;
   }
   return out;  // d >= 2 here: bounds run from 0 to n >= 1
@@ -273,15 +300,34 @@ std::vector<int64_t> ByteTokens(absl::string_view text) {
 // Calls fn(line, line_number) for each line of `path` (without its '\n'; the
 // last one also where no '\n' ends it), reading it a block at a time: a
 // file larger than the memory is walked in the memory of its longest line.
-// A read error midway is an error, never a shorter walk.
+// A regular file, read through the descriptor it was opened as (a FIFO
+// that takes its place is never opened, nor read without end), up to the
+// size it had then; a read error midway is an error, never a shorter walk.
 absl::Status ForEachLine(const std::string& path,
                          const std::function<absl::Status(absl::string_view, int64_t)>& fn) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
-  std::string line;
+  ASSIGN_OR_RETURN(const RegularFileReader file, RegularFileReader::Open(path));
+  constexpr int64_t kBlock = int64_t{1} << 20;
+  std::string block(static_cast<size_t>(std::min(kBlock, file.size())), '\0');
+  std::string line;  // a line's start, from the blocks before
   int64_t line_no = 0;
-  while (std::getline(in, line)) RETURN_IF_ERROR(fn(line, ++line_no));
-  if (in.bad()) return absl::FailedPreconditionError(absl::StrCat("reading ", path, " failed midway"));
+  for (int64_t at = 0; at < file.size();) {
+    const size_t n = static_cast<size_t>(std::min(kBlock, file.size() - at));
+    RETURN_IF_ERROR(file.ReadAt(at, block.data(), n));
+    at += static_cast<int64_t>(n);
+    absl::string_view rest(block.data(), n);
+    for (size_t end = rest.find('\n'); end != absl::string_view::npos; end = rest.find('\n')) {
+      if (line.empty()) {
+        RETURN_IF_ERROR(fn(rest.substr(0, end), ++line_no));
+      } else {
+        line.append(rest.data(), end);
+        RETURN_IF_ERROR(fn(line, ++line_no));
+        line.clear();
+      }
+      rest.remove_prefix(end + 1);
+    }
+    line.append(rest.data(), rest.size());
+  }
+  if (!line.empty()) RETURN_IF_ERROR(fn(line, ++line_no));
   return absl::OkStatus();
 }
 
@@ -289,9 +335,10 @@ absl::Status ForEachLine(const std::string& path,
 
 absl::Status ForEachTextDocument(const std::string& path, DataFormat format, bool paragraphs,
                                  const std::function<absl::Status(absl::string_view, const std::string&)>& fn) {
-  RETURN_IF_ERROR(RegularFileSize(path).status());
+  ASSIGN_OR_RETURN(const int64_t bytes, RegularFileSize(path));
   if (format != DataFormat::kJsonl && !paragraphs) {
-    ASSIGN_OR_RETURN(const std::string text, ReadFileToString(path));
+    // (At most the bytes measured, which the caller's memory check took.)
+    ASSIGN_OR_RETURN(const std::string text, ReadFileToString(path, bytes));
     return fn(text, path);
   }
   if (format != DataFormat::kJsonl) {
@@ -365,7 +412,7 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
     RETURN_IF_ERROR(RegularFileSize(idx_path).status());
     ASSIGN_OR_RETURN(const int64_t bin_bytes, RegularFileSize(bin_path));
     ASSIGN_OR_RETURN(const RegularFileReader idx, RegularFileReader::Open(idx_path));
-    ASSIGN_OR_RETURN(MegatronIndex index, ParseMegatronIndex(idx, bin_bytes));
+    ASSIGN_OR_RETURN(MegatronIndex index, ParseMegatronIndex(idx, bin_bytes, stopped));
     c->width_ = index.width;
     c->signed_ = index.is_signed;
     RETURN_IF_ERROR(c->OpenTokens(bin_path, index.first_byte, index.tokens));
@@ -402,22 +449,36 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
     const bool whole = format != DataFormat::kJsonl && tokenizer == nullptr;
     RETURN_IF_ERROR(FitsInMemory(path, bytes,
                                  whole ? MulAdd(bytes, 8, bytes) : CheckedMul(bytes / (tokenizer == nullptr ? 1 : 2), 16)));
+    const auto grow = [&](std::vector<int64_t>& v, size_t more) -> absl::Status {
+      if (v.empty() || v.size() + more <= v.capacity()) return absl::OkStatus();  // (the first is moved in)
+      const size_t next = std::max(v.size() + more, 2 * v.capacity());
+      RETURN_IF_ERROR(FitsInMemory(path, bytes, CheckedMul(static_cast<int64_t>(next), 8)));
+      v.reserve(next);
+      return absl::OkStatus();
+    };
     RETURN_IF_ERROR(ForEachTextDocument(
         path, format, /*paragraphs=*/tokenizer != nullptr,
         [&](absl::string_view doc, const std::string& where) -> absl::Status {
           if (stopped && stopped()) {
             return absl::CancelledError(absl::StrCat(path, ": stopped while its text was read, at ", where));
           }
+          std::vector<int64_t> ids;
           if (tokenizer == nullptr) {
-            c->AddDocument(ByteTokens(doc));
-            return absl::OkStatus();
+            ids = ByteTokens(doc);
+          } else {
+            absl::StatusOr<std::vector<int64_t>> encoded = tokenizer->EncodeDocument(doc);
+            if (!encoded.ok()) {
+              return absl::Status(encoded.status().code(), absl::StrCat(where, ": the ", tokenizer->kind(),
+                                                                        " tokenizer: ", encoded.status().message()));
+            }
+            ids = *std::move(encoded);
           }
-          absl::StatusOr<std::vector<int64_t>> ids = tokenizer->EncodeDocument(doc);
-          if (!ids.ok()) {
-            return absl::Status(ids.status().code(), absl::StrCat(where, ": the ", tokenizer->kind(),
-                                                                  " tokenizer: ", ids.status().message()));
-          }
-          c->AddDocument(*std::move(ids));
+          // The arrays grow by doubling: each growth is checked against the
+          // memory available, which the estimate above cannot know (short
+          // paragraphs make a token a byte, and a start each).
+          RETURN_IF_ERROR(grow(c->owned_, ids.size()));
+          RETURN_IF_ERROR(grow(c->documents_, 1));
+          c->AddDocument(std::move(ids));
           return absl::OkStatus();
         }));
     c->size_ = static_cast<int64_t>(c->owned_.size());

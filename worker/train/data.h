@@ -25,8 +25,8 @@
 //          (i64), and the documents as sequence-index boundaries (i64,
 //          0 ... sequence count); all little-endian. The corpus is every
 //          sequence in order (read from the .bin as a .bin is; the .idx is
-//          read whole at Open), and documents() keeps where each document
-//          starts. As in Megatron's GPT dataset, windows run across
+//          streamed through at Open), and documents() keeps where each
+//          document starts. As in Megatron's GPT dataset, windows run across
 //          documents (its preprocessing appends an end-of-document token to
 //          each).
 //
@@ -118,9 +118,9 @@ class TokenCorpus {
   // Tokens [start, start + length) as int64 [length].
   absl::StatusOr<Tensor> Window(int64_t start, int64_t length) const;
   // Where each document starts (token offsets, non-decreasing, the first
-  // 0; an empty document starts where the next one does):
-  // Megatron's documents, text's paragraphs and jsonl's lines when a
-  // tokenizer encodes them; one document otherwise.
+  // 0; an empty document starts where the next one does, and a Megatron
+  // index's are kept once): Megatron's documents, text's paragraphs when a
+  // tokenizer encodes them, and jsonl's lines; one document otherwise.
   const std::vector<int64_t>& documents() const { return documents_; }
 
  private:

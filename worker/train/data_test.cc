@@ -121,7 +121,7 @@ TEST(TokenCorpus, MegatronIndexedDatasetsReadInOrderWithTheirDocuments) {
 // An index of more sequences and documents than one read window holds (1
 // MiB: 87,381 sequences' lengths and pointers, 131,072 boundaries) is read
 // in pieces, in order; its documents are where each one's first sequence
-// starts, empty ones included.
+// starts (an empty one starts no new place: kept once).
 TEST(TokenCorpus, AMegatronIndexLargerThanAReadWindowGivesEveryDocument) {
   Megatron m;
   std::vector<int64_t> tokens, want = {0};
@@ -131,13 +131,14 @@ TEST(TokenCorpus, AMegatronIndexLargerThanAReadWindowGivesEveryDocument) {
     m.sequences.push_back(std::vector<int64_t>(len, i % 50000));
     tokens.insert(tokens.end(), len, i % 50000);
     // Documents of 1, 2 or 3 sequences, and an empty one now and then.
+    const int64_t at = static_cast<int64_t>(tokens.size());
     if (i % 7 == 0 || i % 5 == 1) {
       m.doc_bounds.push_back(i + 1);
-      want.push_back(static_cast<int64_t>(tokens.size()));
+      want.push_back(at);
     }
-    if (i % 101 == 0) {
+    if (i % 101 == 0) {  // a boundary, and an empty document where one was just made
       m.doc_bounds.push_back(i + 1);
-      want.push_back(static_cast<int64_t>(tokens.size()));
+      if (want.back() != at) want.push_back(at);
     }
   }
   if (m.doc_bounds.back() != 200000) {
@@ -154,6 +155,32 @@ TEST(TokenCorpus, AMegatronIndexLargerThanAReadWindowGivesEveryDocument) {
   std::vector<int64_t> tail(1000);
   ASSERT_TRUE((*c)->Read((*c)->size() - 1000, 1000, tail.data()).ok());
   EXPECT_EQ(tail, std::vector<int64_t>(tokens.end() - 1000, tokens.end()));
+}
+
+// An index whose counts only its apparent size backs (a sparse file: 128
+// MiB of 2^24 document boundaries, all but the last at sequence 0, for a
+// few KiB on disk) is read without holding a start per boundary (a 2^34
+// such made the worker allocate 128 GiB), and a stop ends its read.
+TEST(TokenCorpus, ASparseMegatronIndexHoldsNoStartPerBoundaryAndAStopEndsIt) {
+  const std::string prefix = TempPath("sparse");
+  constexpr int64_t kBounds = int64_t{1} << 24;
+  {
+    std::ofstream bin(prefix + ".bin", std::ios::binary);
+    bin << Le(7, 2);
+    std::ofstream idx(prefix + ".idx", std::ios::binary);
+    idx << "MMIDIDX" << std::string(2, '\0') << Le(1, 8) << Le(8, 1) << Le(1, 8) << Le(kBounds, 8)  // uint16
+        << Le(1, 4) << Le(0, 8);  // one sequence of one token at byte 0
+    idx.seekp(static_cast<std::streamoff>(34 + 12 + 8 * (kBounds - 1)));
+    idx << Le(1, 8);  // the last boundary: sequence 1
+  }
+  auto c = TokenCorpus::Open(prefix, DataFormat::kMegatron);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ((*c)->size(), 1);
+  EXPECT_EQ((*c)->documents(), std::vector<int64_t>{0}) << "one start for 2^24 empty documents";
+  int polls = 0;
+  auto stopped = TokenCorpus::Open(prefix, DataFormat::kMegatron, nullptr, [&] { return ++polls > 2; });
+  EXPECT_EQ(stopped.status().code(), absl::StatusCode::kCancelled) << stopped.status();
+  EXPECT_GT(polls, 2);
 }
 
 // An index that does not describe its .bin is refused naming the .idx,
@@ -324,6 +351,21 @@ TEST(TokenCorpus, JsonLinesAreDocuments) {
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(Tokens(**c), (std::vector<int64_t>{'a', 'b', kEndOfText, 0xC3, 0xA9, kEndOfText}));
   EXPECT_EQ((*c)->documents(), (std::vector<int64_t>{0, 3}));
+  // Lines across the 1 MiB blocks the file is read in: whole, in order,
+  // the last without its line break too.
+  {
+    const std::string long_text(1536 * 1024 + 7, 'x');
+    std::ofstream(path, std::ios::binary | std::ios::trunc)
+        << "{\"text\": \"" << long_text << "\"}\n{\"text\": \"yz\"}\n"
+        << std::string(1 << 20, ' ').substr(12) << "\n{\"text\": \"end\"}";
+    auto lines = TokenCorpus::Open(path);
+    ASSERT_TRUE(lines.ok()) << lines.status();
+    const int64_t first = static_cast<int64_t>(long_text.size()) + 1;
+    EXPECT_EQ((*lines)->documents(), (std::vector<int64_t>{0, first, first + 3}));
+    EXPECT_EQ((*lines)->size(), first + 3 + 4);
+    EXPECT_EQ((*lines)->Window(first, 7)->ToInt64s(),
+              (std::vector<int64_t>{'y', 'z', kEndOfText, 'e', 'n', 'd', kEndOfText}));
+  }
   // Each bad line is named.
   for (const std::string bad : {"[1, 2]", "{\"text\": 5}", "{\"txt\": \"a\"}", "{broken", "{\"text\": \"!\"}"}) {
     std::ofstream(path, std::ios::binary) << "{\"text\": \"ok\"}\n" << bad << "\n";

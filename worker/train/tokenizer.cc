@@ -36,7 +36,7 @@ absl::Status CheckTokenizerFile(const std::string& path) {
 
 absl::StatusOr<std::string> ReadTokenizerFile(const std::string& path) {
   RETURN_IF_ERROR(CheckTokenizerFile(path));
-  return ReadFileToString(path);
+  return ReadFileToString(path, kMaxTokenizerFileBytes);  // (a pipe in its place since is not read without end)
 }
 
 absl::StatusOr<Json> ReadJson(const std::string& path) {
