@@ -245,19 +245,21 @@ grpc::Status CoordinatorServiceImpl::SubmitJob(grpc::ServerContext* ctx, const v
                                                v1::SubmitJobResponse* resp) {
   return Instrument(ctx, "SubmitJob", CallerRole::kClient, [&]() -> absl::Status {
     if (!req->has_spec()) return absl::InvalidArgumentError("spec: required");
-    const std::string& upload = req->spec().model().upload_id();
-    if (!upload.empty() && (uploads_ == nullptr || !uploads_->Exists(upload))) {
-      return absl::InvalidArgumentError(absl::StrCat("spec.model.upload_id: no upload '", upload, "'"));
-    }
-    // A job no registered worker has the memory for is refused now, not
-    // left pending or failed on a worker that ran out.
     if (req->request_id().size() > kMaxRequestIdBytes) {
       return absl::InvalidArgumentError(absl::StrCat("request_id: at most ", kMaxRequestIdBytes, " bytes"));
     }
     RETURN_IF_ERROR(ValidateJobSpec(req->spec()));
-    // The floor is computed here, once, and stored with the job.
+    // A job no registered worker has the memory for is refused now, not
+    // left pending or failed on a worker that ran out. The floor is computed
+    // here, once, and stored with the job.
     const v1::MemoryFloor floor = JobMemoryFloor(req->spec());
     RETURN_IF_ERROR(CheckMemoryFits(floor, workers_->List(/*include_lost=*/false)));
+    // Last: finding the upload keeps it from collection for its grace again,
+    // which a submit that is refused must not do.
+    const std::string& upload = req->spec().model().upload_id();
+    if (!upload.empty() && (uploads_ == nullptr || !uploads_->Exists(upload))) {
+      return absl::InvalidArgumentError(absl::StrCat("spec.model.upload_id: no upload '", upload, "'"));
+    }
     ASSIGN_OR_RETURN(*resp->mutable_job(), jobs_->Submit(req->spec(), req->request_id(), floor));
     if (scheduler_ != nullptr) scheduler_->Wake();
     return absl::OkStatus();

@@ -149,7 +149,7 @@ TEST(UploadStore, AFullDiskFailsTheUploadAndLeavesNothing) {
   EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
   EXPECT_NE(full.message().find("model.safetensors"), std::string::npos) << full;
   w.reset();
-  EXPECT_FALSE(std::filesystem::exists(dir + "/upload-000001.tmp"));
+  EXPECT_TRUE(std::filesystem::is_empty(dir)) << "the failed upload left files";
   EXPECT_EQ((*store)->bytes(), 0);  // the reservation given back
   auto again = Begin(**store);
   ASSERT_TRUE(again->Add(Chunk("model.safetensors", 0, "fits")).ok());

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/tensor/dtype.h"
 #include "worker/tensor/npy.h"
 
 namespace colod::train {
@@ -26,6 +27,14 @@ absl::StatusOr<std::unique_ptr<ImageDataset>> ImageDataset::Open(const std::stri
   std::unique_ptr<ImageDataset> d(new ImageDataset());
   d->size_ = images.shape()[0];
   ASSIGN_OR_RETURN(d->images_, images.ContiguousAs(DType::kF32));
+  // A NaN or inf pixel is the data's fault: found in training it would read
+  // as a run that diverged (lower the learning rate), and fail unrestarted.
+  if (const int64_t at = FirstNonFinite(DType::kF32, d->images_.raw_data(), d->images_.numel()); at >= 0) {
+    const int64_t per_image = d->images_.numel() / d->size_;
+    return absl::InvalidArgumentError(absl::StrCat(images_path, ": image ", at / per_image, " holds ",
+                                                   d->images_.data<float>()[at], " at element ", at % per_image,
+                                                   "; pixels must be finite"));
+  }
   ASSIGN_OR_RETURN(d->labels_, labels.ReadInt64s());
   for (size_t i = 0; i < d->labels_.size(); ++i) {
     const int64_t l = d->labels_[i];

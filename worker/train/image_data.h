@@ -1,6 +1,6 @@
 // Training data for an image classifier (ViT): images and their labels as
-// two .npy files, the images float [N, channels, height, width] (f32, bf16
-// or f16) and the labels integer [N] (int64, int32, uint16, uint32; -100
+// two .npy files, the images float [N, channels, height, width] (f32 or
+// f16: numpy's <f4, <f2; every pixel finite) and the labels integer [N] (int64, int32, uint16, uint32; -100
 // leaves an image out of the loss). Both are read into memory when opened
 // (the images as f32). Batches take the images BatchSampler::ForExamples
 // draws.

@@ -2,6 +2,8 @@
 // image), and the batches it cuts; BatchSampler::ForExamples's indices.
 #include "worker/train/image_data.h"
 
+#include <cmath>
+#include <limits>
 #include <set>
 
 #include "gtest/gtest.h"
@@ -42,19 +44,30 @@ TEST(ImageDataset, BatchesAreTheImagesAndLabelsAtTheIndices) {
 
 TEST(ImageDataset, RefusesWhatTheModelCannotRead) {
   const std::string images = Npy("images2.npy", *Tensor::Zeros({3, 2, 4, 4}, DType::kF32));
+  // Pixels that are not finite (an f16 file's overflow, a broken
+  // normalization): the data's fault, said as such.
+  std::vector<float> pixels(3 * 32, 0.5f);
+  pixels[2 * 32 + 5] = std::nanf("");
+  const Tensor nan = *Tensor::FromFloats({3, 2, 4, 4}, pixels);
+  pixels[2 * 32 + 5] = 0.5f;
+  pixels[0] = std::numeric_limits<float>::infinity();
+  const Tensor inf = *(*Tensor::FromFloats({3, 2, 4, 4}, pixels)).ToDType(DType::kF16);
   struct Bad {
     std::string images, labels;
     std::string says;
   };
   for (const Bad& b : std::vector<Bad>{
-           {Npy("small.npy", *Tensor::Zeros({3, 2, 4, 2}, DType::kF32)), Npy("l3.npy", *Tensor::Zeros({3}, DType::kI64)),
-            "the images must be floats [N, 2, 4, 4]"},
-           {Npy("ints.npy", *Tensor::Zeros({3, 2, 4, 4}, DType::kI64)), Npy("l3b.npy", *Tensor::Zeros({3}, DType::kI64)),
-            "the images must be floats"},
+           {Npy("small.npy", *Tensor::Zeros({3, 2, 4, 2}, DType::kF32)),
+            Npy("l3.npy", *Tensor::Zeros({3}, DType::kI64)), "the images must be floats [N, 2, 4, 4]"},
+           {Npy("ints.npy", *Tensor::Zeros({3, 2, 4, 4}, DType::kI64)),
+            Npy("l3b.npy", *Tensor::Zeros({3}, DType::kI64)), "the images must be floats"},
            {images, Npy("l2.npy", *Tensor::Zeros({2}, DType::kI64)), "integers [3] (one per image)"},
            {images, Npy("lf.npy", *Tensor::Zeros({3}, DType::kF32)), "integers [3]"},
-           {images, Npy("lbig.npy", *Tensor::FromInt64s({3}, {0, 4, 1})), "label 4 of image 1 is outside the model's 4"},
+           {images, Npy("lbig.npy", *Tensor::FromInt64s({3}, {0, 4, 1})),
+            "label 4 of image 1 is outside the model's 4"},
            {images, Npy("lneg.npy", *Tensor::FromInt64s({3}, {0, -1, 1})), "label -1 of image 1"},
+           {Npy("nan.npy", nan), Npy("l3c.npy", *Tensor::Zeros({3}, DType::kI64)), "image 2 holds nan at element 5"},
+           {Npy("inf.npy", inf), Npy("l3d.npy", *Tensor::Zeros({3}, DType::kI64)), "image 0 holds inf at element 0"},
        }) {
     auto d = ImageDataset::Open(b.images, b.labels, 2, 4, 4);
     EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument) << b.says;
