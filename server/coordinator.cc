@@ -216,6 +216,9 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(Options options)
     c->jobs_->SetRoomHooks(room);
     c->uploads_->SetAdmit([reserve](int64_t bytes) { return reserve->LeavesRoomAfter(bytes); });
   }
+  // A request id repeated for another model is not a retry.
+  UploadStore* uploads = c->uploads_.get();
+  c->jobs_->SetUploadsDiffer([uploads](const std::string& a, const std::string& b) { return uploads->Differ(a, b); });
   c->stalls_ = std::make_unique<StallWatchdog>(options.stream_stall_timeout);
   c->service_ = std::make_unique<CoordinatorServiceImpl>(c->workers_.get(), c->jobs_.get(), c->store_.get(),
                                                           c->registry_.get(),

@@ -532,6 +532,10 @@ int64_t JobManager::RecordBytesWritten() {
 
 void JobManager::SetRoomHooks(RoomHooks hooks) { room_ = std::move(hooks); }
 
+void JobManager::SetUploadsDiffer(std::function<bool(const std::string& a, const std::string& b)> differ) {
+  uploads_differ_ = std::move(differ);
+}
+
 absl::Status JobManager::WriteRecord(const std::optional<RecordWrite>& w) {
   if (!w.has_value()) return absl::OkStatus();
   if (before_write_) before_write_(w->job_id);
@@ -988,7 +992,12 @@ std::string SpecBytes(const v1::JobSpec& spec) {
   return bytes;
 }
 
-bool SameSubmission(v1::JobSpec a, v1::JobSpec b) {
+// The same spec, but maybe for the upload id, where `differ` (if any) does
+// not know the two uploads' files to differ.
+bool SameSubmission(v1::JobSpec a, v1::JobSpec b,
+                    const std::function<bool(const std::string&, const std::string&)>& differ) {
+  const std::string ua = a.model().upload_id(), ub = b.model().upload_id();
+  if (ua != ub && differ && differ(ua, ub)) return false;
   a.mutable_model()->clear_upload_id();
   b.mutable_model()->clear_upload_id();
   return SpecBytes(a) == SpecBytes(b);
@@ -1019,7 +1028,7 @@ absl::StatusOr<v1::Job> JobManager::Submit(const v1::JobSpec& spec, absl::string
         // uploaded again): its job. Another spec under a request id already
         // used is a mistake the caller would not see (yesterday's job in
         // place of today's).
-        if (!SameSubmission(job.spec(), spec)) {
+        if (!SameSubmission(job.spec(), spec, uploads_differ_)) {
           return absl::AlreadyExistsError(absl::StrCat("request id '", request, "' was used by ", job.job_id(),
                                                        " for another spec: give this one a new "
                                                        "request id"));

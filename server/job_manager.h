@@ -79,6 +79,15 @@ class JobManager {
   };
   void SetRoomHooks(RoomHooks hooks);
 
+  // Whether two uploads hold different files (the coordinator's UploadStore:
+  // their hashes differ; false where either is unknown, collected or
+  // without a hash). A submit that repeats a request id with a spec that
+  // differs only in its upload id is the same submission (a retry that
+  // uploaded the model again) unless this says the files differ: then it
+  // is ALREADY_EXISTS like any other spec. Called under the manager's lock:
+  // it must not block. Set before any submit; may be empty.
+  void SetUploadsDiffer(std::function<bool(const std::string& a, const std::string& b)> differ);
+
   // Validates (ValidateJobSpec) and adds a PENDING job with its memory floor
   // (`floor`, else JobMemoryFloor(spec): computed once, here, and stored with
   // the job). With a non-empty request_id, a repeated submit returns the
@@ -402,6 +411,7 @@ class JobManager {
   std::string state_dir_;  // empty: in memory only
   std::function<void(const std::string&)> before_write_;  // set before any write
   RoomHooks room_;  // set before any write
+  std::function<bool(const std::string&, const std::string&)> uploads_differ_;  // set before any submit
   absl::Mutex mu_;
   // Job ids in the order they were handed out: job-NNNNNN has at least six
   // digits (IsJobId), and job-1000000 comes after job-999999 (shorter first), not

@@ -455,6 +455,35 @@ TEST(JobManager, SubmitGetListCancel) {
 // Jobs not ended are bounded (--max-active-jobs): a submit past it is
 // RESOURCE_EXHAUSTED, and one that ended makes room; a repeated request id
 // still returns its job.
+// The same spec of an uploaded model, uploaded again for the retry (a new
+// upload id): the same submission, unless the two uploads' files are known
+// to differ (another model under yesterday's request id).
+TEST(JobManager, ARequestIdRepeatedForAnotherUploadIsARetryUnlessItsFilesDiffer) {
+  FakeClock clock;
+  JobManager jobs(&clock);
+  v1::JobSpec uploaded = TrainSpec();
+  uploaded.mutable_model()->clear_weights_path();
+  uploaded.mutable_model()->set_upload_id("upload-000001-00000000000000aa");
+  const absl::StatusOr<v1::Job> first = jobs.Submit(uploaded, "req-up");
+  ASSERT_TRUE(first.ok()) << first.status();
+  std::vector<std::pair<std::string, std::string>> compared;
+  bool differ = false;
+  jobs.SetUploadsDiffer([&](const std::string& a, const std::string& b) {
+    compared.emplace_back(a, b);
+    return differ;
+  });
+  uploaded.mutable_model()->set_upload_id("upload-000002-00000000000000bb");
+  const absl::StatusOr<v1::Job> retried = jobs.Submit(uploaded, "req-up");
+  ASSERT_TRUE(retried.ok()) << retried.status();
+  EXPECT_EQ(retried->job_id(), first->job_id());
+  EXPECT_EQ(compared, (std::vector<std::pair<std::string, std::string>>{
+                          {"upload-000001-00000000000000aa", "upload-000002-00000000000000bb"}}));
+  differ = true;
+  const absl::StatusOr<v1::Job> other_model = jobs.Submit(uploaded, "req-up");
+  EXPECT_EQ(other_model.status().code(), absl::StatusCode::kAlreadyExists) << other_model.status();
+  EXPECT_EQ(jobs.List({}).size(), 1u);
+}
+
 TEST(JobManager, JobsNotEndedAreBounded) {
   FakeClock clock;
   JobManager jobs(&clock);

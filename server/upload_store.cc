@@ -331,6 +331,13 @@ bool UploadStore::Exists(const std::string& upload_id) {
   return true;
 }
 
+bool UploadStore::Differ(const std::string& a, const std::string& b) const {
+  absl::MutexLock lock(&mu_);
+  auto x = stored_.find(a), y = stored_.find(b);
+  return x != stored_.end() && y != stored_.end() && !x->second.sha256.empty() && !y->second.sha256.empty() &&
+         x->second.sha256 != y->second.sha256;
+}
+
 absl::StatusOr<std::string> UploadStore::Path(const std::string& upload_id) const {
   std::error_code ec;
   const std::string path = dir_ + "/" + upload_id;

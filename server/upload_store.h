@@ -125,6 +125,9 @@ class UploadStore {
   // keeps it a full grace period even if CollectGarbage's `in_use` was
   // taken before the job was.
   bool Exists(const std::string& upload_id);
+  // Whether both uploads are stored with a hash and the hashes differ
+  // (different files); false where either is unknown or has none.
+  bool Differ(const std::string& a, const std::string& b) const;
   // The upload's directory; NOT_FOUND for an unknown or malformed id.
   absl::StatusOr<std::string> Path(const std::string& upload_id) const;
 

@@ -216,7 +216,12 @@ TEST(UploadStore, IdenticalUploadsAreStoredOnce) {
       EXPECT_EQ(again.sha256(), first.sha256());
     }
     EXPECT_EQ((*store)->bytes(), 9 + 2 * kFile);  // one copy (of two files)
-    EXPECT_FALSE(upload(**store, "model.safetensors", "weightz").deduplicated());
+    const v1::UploadModelResponse other = upload(**store, "model.safetensors", "weightz");
+    EXPECT_FALSE(other.deduplicated());
+    // Different files are known to differ; an upload not stored is not.
+    EXPECT_TRUE((*store)->Differ(first.upload_id(), other.upload_id()));
+    EXPECT_FALSE((*store)->Differ(first.upload_id(), first.upload_id()));
+    EXPECT_FALSE((*store)->Differ(first.upload_id(), "upload-000099-00000000000000aa"));
     EXPECT_FALSE(upload(**store, "other.safetensors", "weights").deduplicated());
     int dirs = 0;
     for (const auto& e : std::filesystem::directory_iterator(dir)) dirs += e.is_directory();
