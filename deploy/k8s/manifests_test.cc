@@ -1094,6 +1094,15 @@ TEST(Manifests, WorkersRegisterWithTheCoordinatorAndAreReachable) {
         }
       }
       EXPECT_GE(roots, 1) << k.where << ": no --allow-path: jobs could read and write any path";
+      // No root lies in the work dir, which the worker lets no job name: it
+      // would allow nothing.
+      for (const auto& [name, value] : k.parsed.flags) {
+        if (name != "allow-path") continue;
+        for (absl::string_view root : absl::StrSplit(value, ',')) {
+          EXPECT_FALSE(root == work_dir || absl::StartsWith(root, work_dir + "/"))
+              << k.where << ": --allow-path " << root << " is in --work-dir " << work_dir;
+        }
+      }
 
       // A PodDisruptionBudget covers the workers.
       bool pdb = false;

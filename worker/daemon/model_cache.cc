@@ -162,7 +162,7 @@ absl::StatusOr<std::string> ModelCache::Weights(const v1::ModelSpec& model, Abor
   // and a power loss must not leave it holding cut files.
   RETURN_IF_ERROR(OwnDisk(SyncFilesAndDirectory(tmp)));
   fs::rename(tmp, dir, ec);
-  if (ec) return absl::InternalError(absl::StrCat("cannot rename '", tmp, "': ", ec.message()));
+  if (ec) return OwnDisk(FileError(absl::StrCat("cannot rename it to '", dir, "'"), tmp, ec.value()));
   remove_tmp.keep = true;
   if (const absl::Status synced = SyncDirectory(fs::path(dir).parent_path().string()); !synced.ok()) {
     COLOD_LOG(WARNING) << "upload " << model.upload_id() << " is in place, but not yet durable: " << synced.message();
@@ -195,7 +195,13 @@ absl::Status ModelCache::DownloadInto(const std::string& upload_id, const std::s
     if (chunk.file() != file) {
       out.close();
       file = chunk.file();
+      errno = 0;
       out.open(tmp + "/" + file, std::ios::binary | std::ios::trunc);
+      if (!out.is_open()) {  // (no inode left: ENOSPC; the write below would make no call to report it)
+        failed = OwnDisk(FileError("cannot create", tmp + "/" + file, errno != 0 ? errno : EIO));
+        ctx.TryCancel();
+        break;
+      }
     }
     errno = 0;
     out.write(chunk.data().data(), static_cast<std::streamsize>(chunk.data().size()));
@@ -221,8 +227,13 @@ absl::Status ModelCache::DownloadInto(const std::string& upload_id, const std::s
 void ModelCache::Prune(const std::string& keep) {
   const fs::path uploads = fs::path(options_.work_dir) / "uploads";
   std::error_code ec;
+  // A TTL past a century (inf included) keeps every upload: the clock's
+  // arithmetic would overflow, and wrap to a cutoff in the future.
+  const bool forever = options_.cache_ttl >= absl::Hours(24 * 365 * 100);
   const fs::file_time_type cutoff =
-      fs::file_time_type::clock::now() - absl::ToChronoSeconds(options_.cache_ttl);
+      forever ? fs::file_time_type::min()
+              : fs::file_time_type::clock::now() -
+                    std::chrono::duration_cast<fs::file_time_type::duration>(absl::ToChronoSeconds(options_.cache_ttl));
   std::vector<fs::path> stale;
   // Nothing to prune where the listing fails (none made yet, most often).
   for (const std::string& name : ListDirectory(uploads.string()).value_or(std::vector<std::string>{})) {

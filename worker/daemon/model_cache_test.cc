@@ -251,6 +251,29 @@ TEST_F(ModelCacheTest, UploadsUnusedForTheTtlAreRemovedBeforeTheNextDownload) {
   EXPECT_EQ(Read((uploads / "new" / "model-00002.safetensors").string()), "second");
 }
 
+// A TTL of inf (or past a century) keeps every download: the cutoff's
+// clock arithmetic overflowed and wrapped into the future, which removed
+// every upload but the one in use.
+TEST_F(ModelCacheTest, AnInfiniteTtlKeepsEveryUpload) {
+  const fs::path uploads = fs::path(work_) / "uploads";
+  for (const char* id : {"old", "hit"}) {
+    fs::create_directories(uploads / id);
+    std::ofstream(uploads / id / "model.safetensors") << id;
+  }
+  fs::last_write_time(uploads / "old", fs::file_time_type::clock::now() - std::chrono::hours(24 * 400));
+  for (const absl::Duration ttl : {absl::InfiniteDuration(), absl::Hours(24 * 365 * 200)}) {
+    ModelCache::Options o = options_;
+    o.cache_ttl = ttl;
+    ModelCache forever(o);
+    v1::ModelSpec spec;
+    spec.set_config_json("{}");
+    spec.set_upload_id("hit");
+    AbortSignal abort;
+    ASSERT_TRUE(forever.Weights(spec, abort).ok());
+    EXPECT_TRUE(fs::exists(uploads / "old")) << absl::FormatDuration(ttl);
+  }
+}
+
 // A disk too full for a download is RESOURCE_EXHAUSTED, marked as the
 // worker's fault, leaves no partial download, and the next attempt with
 // room succeeds.

@@ -6,6 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 #include "worker/train/data.h"
 
 namespace colod {
@@ -38,6 +39,15 @@ absl::StatusOr<PathPolicy> PathPolicy::Create(const std::vector<std::string>& ro
     p.roots_.push_back(s);
   }
   return p;
+}
+
+absl::Status PathPolicy::Reserve(const std::string& dir) {
+  std::error_code ec;
+  const fs::path canonical = fs::canonical(dir, ec);
+  if (ec) return absl::InvalidArgumentError(absl::StrCat("'", dir, "' cannot be resolved: ", ec.message()));
+  reserved_ = canonical.string();
+  while (reserved_.size() > 1 && reserved_.back() == '/') reserved_.pop_back();
+  return absl::OkStatus();
 }
 
 absl::Status PathPolicy::Check(absl::string_view field, const std::string& path) const {
@@ -79,8 +89,20 @@ absl::Status PathPolicy::CheckJob(const v1::JobSpec& spec) const {
       {"spec.forward.labels_path", spec.forward().labels_path()},
       {"spec.forward.decoder_input_path", spec.forward().decoder_input_path()},
   };
+  // None in the worker's own directory: resolved as Check resolves it.
+  const auto not_reserved = [&](absl::string_view field, const std::string& path) -> absl::Status {
+    if (reserved_.empty() || path.empty()) return absl::OkStatus();
+    std::error_code ec;
+    const fs::path resolved = fs::weakly_canonical(fs::absolute(path, ec), ec);
+    if (ec || !Under(resolved.lexically_normal().string(), reserved_)) return absl::OkStatus();
+    return absl::PermissionDeniedError(absl::StrCat(field, ": '", path, "' is in this worker's own directory (",
+                                                    reserved_,
+                                                    ", --work-dir: its download cache and scratch), "
+                                                    "which no job may name"));
+  };
   for (const Named& n : paths) {
     if (absl::Status s = Check(n.field, n.path); !s.ok()) return s;
+    RETURN_IF_ERROR(not_reserved(n.field, n.path));
   }
   // Training data may name a Megatron dataset by its prefix, .bin or .idx:
   // every file the corpus may open is checked (each may be a link).
@@ -89,6 +111,7 @@ absl::Status PathPolicy::CheckJob(const v1::JobSpec& spec) const {
     if (data.path.empty()) continue;
     for (const std::string& file : train::DataFiles(data.path)) {
       if (absl::Status s = Check(data.field, file); !s.ok()) return s;
+      RETURN_IF_ERROR(not_reserved(data.field, file));
     }
   }
   return absl::OkStatus();

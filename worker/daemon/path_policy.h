@@ -35,11 +35,21 @@ class PathPolicy {
   // (even with no roots: open() would stop at it).
   absl::Status Check(absl::string_view field, const std::string& path) const;
 
-  // Every path `spec` names (empty ones are not paths).
+  // Every path `spec` names (empty ones are not paths): Check, and none at
+  // or under the reserved directory, whatever the roots.
   absl::Status CheckJob(const v1::JobSpec& spec) const;
+
+  // The worker's own directory (its --work-dir: the download cache, its
+  // lock, rank directories, the flight recorder), which no job may name
+  // even where a root holds it (a job's output written over a cached
+  // upload would be loaded by the next job of that upload). Resolved here;
+  // INVALID_ARGUMENT where it does not exist.
+  absl::Status Reserve(const std::string& dir);
+  const std::string& reserved() const { return reserved_; }
 
  private:
   std::vector<std::string> roots_;  // canonical, without a trailing '/'
+  std::string reserved_;            // canonical; empty: none
 };
 
 }  // namespace colod

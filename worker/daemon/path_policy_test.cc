@@ -114,5 +114,45 @@ TEST(PathPolicy, RootsMustBeExistingAbsoluteDirectories) {
   EXPECT_TRUE(root->Check("f", "/etc/shadow").ok());
 }
 
+// The worker's own directory (its --work-dir, here inside an allowed
+// root, as a Kubernetes pod's emptyDir holds both) is never a job's path:
+// a FORWARD job's logits written over a cached upload's weights, or a
+// final model into the cache, would be the next job's model. Through a
+// link, "..", and with no roots at all too; the rest of the root is allowed.
+TEST_F(PathPolicyTest, NoJobNamesTheWorkersOwnDirectory) {
+  const std::string work = base_ + "/data/work";
+  fs::create_directories(work + "/uploads/upload-000001-00000000000000aa");
+  fs::create_symlink(work, base_ + "/data/to-work");
+  for (PathPolicy policy : {policy_, PathPolicy()}) {
+    ASSERT_TRUE(policy.Reserve(work).ok());
+    const auto spec_with = [](const std::function<void(v1::JobSpec&)>& set) {
+      v1::JobSpec spec;
+      set(spec);
+      return spec;
+    };
+    for (const std::string& bad :
+         {work, work + "/uploads/upload-000001-00000000000000aa/model.safetensors", work + "/LOCK",
+          base_ + "/data/to-work/uploads/x", base_ + "/data/sub/../work/flight-recorder"}) {
+      for (const v1::JobSpec& spec : {spec_with([&](v1::JobSpec& s) { s.mutable_forward()->set_logits_path(bad); }),
+                                      spec_with([&](v1::JobSpec& s) { s.mutable_train()->set_final_dir(bad); }),
+                                      spec_with([&](v1::JobSpec& s) { s.mutable_train()->set_data_path(bad); })}) {
+        const absl::Status s = policy.CheckJob(spec);
+        EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << bad;
+        EXPECT_NE(s.message().find("is in this worker's own directory"), std::string::npos) << s;
+      }
+    }
+    EXPECT_TRUE(policy
+                    .CheckJob(spec_with([&](v1::JobSpec& s) {
+                      s.mutable_train()->set_final_dir(base_ + "/data/working-copy");  // a sibling name
+                    }))
+                    .ok());
+    // The worker's own files are not checked through it (a rank's copy of
+    // an upload lives there).
+    EXPECT_TRUE(policy.Check("f", work + "/uploads").ok());
+  }
+  PathPolicy none;
+  EXPECT_EQ(none.Reserve(base_ + "/missing").code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace colod

@@ -190,6 +190,9 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
     ro.worker_id = [raw] { return raw->worker_id(); };
     ro.metrics = w->job_metrics_.get();
     ro.memory_bytes = w->info_.memory_bytes();
+    // No job may name the work dir, whatever --allow-path holds (a job's
+    // output over a cached upload would be the next job's model).
+    RETURN_IF_ERROR(paths.Reserve(w->work_dir_));
     ro.paths = paths;
     ro.upload_cache_ttl = options.upload_cache_ttl;
     ro.min_free_work_dir_bytes = options.min_free_work_dir_bytes;
