@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace colod {
 absl::Status FileError(absl::string_view what, absl::string_view path, int err) {
@@ -145,11 +146,18 @@ absl::Status WriteFileAtomicallyStreamed(const std::string& path,
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
-  return ReadFileToString(path, std::numeric_limits<int64_t>::max());
+absl::StatusOr<std::string> ReadFileToString(const std::string& path, int64_t max_bytes) {
+  ASSIGN_OR_RETURN(const RegularFileReader file, RegularFileReader::Open(path));
+  if (file.size() > max_bytes) {
+    return absl::FailedPreconditionError(absl::StrCat("cannot read '", path, "': it holds ", file.size(),
+                                                      " bytes, more than the ", max_bytes, " expected (it grew)"));
+  }
+  std::string out(static_cast<size_t>(file.size()), '\0');
+  RETURN_IF_ERROR(file.ReadAt(0, out.data(), out.size()));
+  return out;
 }
 
-absl::StatusOr<std::string> ReadFileToString(const std::string& path, int64_t max_bytes) {
+absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
   // Not blocked in open by a FIFO without a writer; a pipe with one (a
   // shell's <(...)) is read to its end, blocking again.
   const int fd = OpenWithoutWaiting(path, O_RDONLY);
@@ -170,18 +178,11 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path, int64_t ma
     return FileError("cannot read", path, err);
   }
   std::string out;
-  if (S_ISREG(info.st_mode) && info.st_size > 0 && info.st_size <= max_bytes) {
-    out.reserve(static_cast<size_t>(info.st_size));
-  }
+  if (S_ISREG(info.st_mode) && info.st_size > 0) out.reserve(static_cast<size_t>(info.st_size));
   char buffer[1 << 16];
   absl::Status s;
   for (;;) {
     const ssize_t n = ::read(fd, buffer, sizeof(buffer));
-    if (n > 0 && static_cast<int64_t>(out.size()) > max_bytes - n) {
-      s = absl::FailedPreconditionError(absl::StrCat("cannot read '", path, "': it holds more than the ", max_bytes,
-                                                     " bytes measured (it grew, or a pipe took its place)"));
-      break;
-    }
     if (n > 0) {
       out.append(buffer, static_cast<size_t>(n));
     } else if (n == 0) {

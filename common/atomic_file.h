@@ -81,9 +81,12 @@ const char* FileKind(mode_t mode);
 // fails midway (never a shorter content). A FIFO without a writer reads as
 // empty rather than blocking.
 absl::StatusOr<std::string> ReadFileToString(const std::string& path);
-// The same, reading at most `max_bytes`: FAILED_PRECONDITION where `path`
-// holds more (a file measured before it grew, or that a FIFO took the place
-// of since, fed without end), never more memory than the caller measured.
+// The whole content of `path`, a regular file of at most `max_bytes` (what
+// the caller measured or allows), read through the descriptor it was
+// opened as (RegularFileReader: never waited on; a FIFO or a device is
+// INVALID_ARGUMENT, so one swapped in after the caller's check can neither
+// block the read nor feed it without end); FAILED_PRECONDITION where it
+// holds more than `max_bytes` (it grew since it was measured).
 absl::StatusOr<std::string> ReadFileToString(const std::string& path, int64_t max_bytes);
 
 // A regular file open for reads at given offsets, closed when it goes. The

@@ -952,14 +952,22 @@ absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
 
 absl::Status ConsolidateTrainingCheckpoint(const std::string& dir, const std::string& out_dir,
                                            std::optional<DType> dtype) {
-  if (!IsRegularFile(absl::StrCat(dir, "/", kState))) return shardformer::ConsolidateCheckpoint(dir, out_dir, dtype);
-  ASSIGN_OR_RETURN(const Resumed state, ReadTrainState(dir));
-  const DType saved = state.param_dtype.value_or(DType::kF32);  // (before 2026-12: f32 runs only)
-  if (!dtype.has_value() || !shardformer::IsModelDType(*dtype) || *dtype == saved || saved == DType::kF32) {
+  // The parameters as saved where no other dtype is asked for, where the
+  // directory is no training checkpoint, or where its state does not read
+  // (consolidation salvages a checkpoint a resume passes over).
+  if (!dtype.has_value() || !shardformer::IsModelDType(*dtype) || !IsRegularFile(absl::StrCat(dir, "/", kState))) {
     return shardformer::ConsolidateCheckpoint(dir, out_dir, dtype);
   }
+  const absl::StatusOr<Resumed> state = ReadTrainState(dir);
+  const DType saved = state.ok() ? state->param_dtype.value_or(DType::kF32) : DType::kF32;  // (before 2026-12: f32)
+  if (*dtype == saved || saved == DType::kF32) return shardformer::ConsolidateCheckpoint(dir, out_dir, dtype);
   // Every file opens and validates before anything is written.
-  RETURN_IF_ERROR(Validate(dir));
+  if (const absl::Status valid = Validate(dir); !valid.ok()) {
+    return absl::Status(valid.code(),
+                        absl::StrCat(valid.message(), ": the ", DTypeName(*dtype), " model of a ", DTypeName(saved),
+                                     " run is made of the f32 master weights its optimizer files hold; without "
+                                     "them, --dtype auto writes its parameters as saved"));
+  }
   // The mesh it was written at (the index's), to find each block's rank's
   // dp peers: the ranks whose other coordinates are its own, which hold
   // the pieces of its master weights under ZeRO.

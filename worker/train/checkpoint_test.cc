@@ -303,6 +303,16 @@ TEST(Consolidation, ATrainingCheckpointInAnotherDTypeIsItsMasterWeights) {
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
   EXPECT_NE(refused.message().find(".master from element"), std::string::npos) << refused;
   EXPECT_FALSE(fs::exists(refused_out + "/model.safetensors"));
+  // Without an optimizer file, f32 says what it needs, and auto writes the
+  // parameters; so does a state that does not read (a checkpoint a resume
+  // passes over, salvaged).
+  fs::remove(optim);
+  const absl::Status no_optim = ConsolidateTrainingCheckpoint(step, refused_out, DType::kF32);
+  EXPECT_NE(no_optim.message().find("--dtype auto writes its parameters as saved"), std::string::npos) << no_optim;
+  std::ofstream(step + "/train_state.json", std::ios::trunc) << "{\"step\": ";
+  EXPECT_TRUE(ConsolidateTrainingCheckpoint(step, TempPath("masters_salvaged"), std::nullopt).ok());
+  EXPECT_TRUE(ConsolidateTrainingCheckpoint(step, TempPath("masters_salvaged_f32"), DType::kF32).ok())
+      << "a state that does not read names no precision: the parameters, widened";
 }
 
 // A run killed after every step and resumed in the same directory is one

@@ -196,9 +196,10 @@ absl::StatusOr<MegatronIndex> ParseMegatronIndex(const RegularFileReader& idx, i
   const std::optional<int64_t> starts_bytes = CheckedMul(std::min(d, out.tokens + 1), 16);
   const int64_t available = AvailableHostMemoryBytes();
   if (!starts_bytes.has_value() || *starts_bytes > available) {
-    return absl::ResourceExhaustedError(absl::StrCat(where, ": its ", d, " document boundaries would take ",
-                                                     starts_bytes.value_or(-1) >> 20, " MiB of memory, and ",
-                                                     available >> 20, " MiB is available"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        where, ": its ", d, " document boundaries would take ",
+        starts_bytes.has_value() ? absl::StrCat(*starts_bytes >> 20, " MiB") : std::string("more than 8 EiB"),
+        " of memory, and ", available >> 20, " MiB is available"));
   }
   // Sequence `next` starts at token `start` (the lengths' running sum):
   // boundaries only grow, so one pass over the lengths serves them all.
@@ -334,11 +335,11 @@ absl::Status ForEachLine(const std::string& path,
 }  // namespace
 
 absl::Status ForEachTextDocument(const std::string& path, DataFormat format, bool paragraphs,
-                                 const std::function<absl::Status(absl::string_view, const std::string&)>& fn) {
-  ASSIGN_OR_RETURN(const int64_t bytes, RegularFileSize(path));
+                                 const std::function<absl::Status(absl::string_view, const std::string&)>& fn,
+                                 int64_t max_bytes) {
+  RETURN_IF_ERROR(RegularFileSize(path).status());
   if (format != DataFormat::kJsonl && !paragraphs) {
-    // (At most the bytes measured, which the caller's memory check took.)
-    ASSIGN_OR_RETURN(const std::string text, ReadFileToString(path, bytes));
+    ASSIGN_OR_RETURN(const std::string text, ReadFileToString(path, max_bytes));
     return fn(text, path);
   }
   if (format != DataFormat::kJsonl) {
@@ -480,7 +481,8 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
           RETURN_IF_ERROR(grow(c->documents_, 1));
           c->AddDocument(std::move(ids));
           return absl::OkStatus();
-        }));
+        },
+        bytes));
     c->size_ = static_cast<int64_t>(c->owned_.size());
     if (c->size_ == 0) return absl::InvalidArgumentError(absl::StrCat(path, " holds no document"));
     return c;

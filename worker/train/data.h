@@ -48,6 +48,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -86,9 +87,12 @@ std::vector<std::string> DataFiles(const std::string& path);
 // naming the line for a jsonl line that is not an object with a string
 // "text"; `fn`'s error ends the walk. The file is read a line at a time (a
 // file larger than the memory is walked in the memory of its longest
-// document), but for text without `paragraphs`.
+// document), but for text without `paragraphs`, which is read whole, at
+// most `max_bytes` of it (the size a caller's memory check measured:
+// FAILED_PRECONDITION where it grew since).
 absl::Status ForEachTextDocument(const std::string& path, DataFormat format, bool paragraphs,
-                                 const std::function<absl::Status(absl::string_view doc, const std::string& where)>& fn);
+                                 const std::function<absl::Status(absl::string_view doc, const std::string& where)>& fn,
+                                 int64_t max_bytes = std::numeric_limits<int64_t>::max());
 
 class TokenCorpus {
  public:
