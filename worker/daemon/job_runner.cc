@@ -502,6 +502,11 @@ absl::Status JobRunner::RunRank(Active& active) {
     // the bare id's that a worker from before the uid wrote (a rolling
     // upgrade).
     if (req.resume_own_checkpoints()) options.resume_writers = std::vector<std::string>{options.job, req.job_id()};
+    if (!options_.paths.unrestricted()) {
+      options.check_path = [paths = options_.paths](const std::string& path) {
+        return paths.Check("spec.train.resume_from: a checkpoint in it", path);
+      };
+    }
     // (Every rank of the placement gets the same: its workers all agree, or not.)
     options.agree_on_resume = req.agree_on_resume();
     // An abort or a shutdown ends the tokenizing of a large text corpus.

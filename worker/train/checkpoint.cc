@@ -708,11 +708,27 @@ absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& 
   return out;
 }
 
+namespace {
+
+// `check` of a checkpoint directory and of each entry in it (each may be a
+// link); OK without a check.
+absl::Status CheckCheckpointPaths(const std::string& step_dir, const PathCheck& check) {
+  if (!check) return absl::OkStatus();
+  RETURN_IF_ERROR(check(step_dir));
+  ASSIGN_OR_RETURN(const std::vector<std::string> names, ListDirectory(step_dir));
+  for (const std::string& name : names) RETURN_IF_ERROR(check(absl::StrCat(step_dir, "/", name)));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector<std::string>* skipped,
-                                             const std::optional<std::vector<std::string>>& writers) {
+                                             const std::optional<std::vector<std::string>>& writers,
+                                             const PathCheck& check) {
   // A checkpoint itself (DIR/step-N, e.g. the best one to go on from): it,
   // if complete and one of `writers`'.
   if (IsRegularFile(absl::StrCat(dir, "/", kState))) {
+    RETURN_IF_ERROR(CheckCheckpointPaths(dir, check));
     ASSIGN_OR_RETURN(const Json state, ReadJson(absl::StrCat(dir, "/", kState)));
     if (writers.has_value() && std::find(writers->begin(), writers->end(), WriterJob(state)) == writers->end()) {
       return absl::NotFoundError(absl::StrCat(dir, " is another writer's checkpoint (", WriterJob(state), ")"));
@@ -734,6 +750,7 @@ absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector
   int64_t others = 0;  // another writer's, complete or not
   for (const auto& [number, s] : numbered) {
     const std::string step_dir = dir + "/" + s;
+    RETURN_IF_ERROR(CheckCheckpointPaths(step_dir, check));
     const absl::StatusOr<Json> state = ReadJson(step_dir + "/" + kState);
     if (state.ok() && writers.has_value() &&
         std::find(writers->begin(), writers->end(), WriterJob(*state)) == writers->end()) {

@@ -138,9 +138,14 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
 // job restarted by the coordinator resumes from its own newest, never from
 // a later step another run left in the same directory. NOT_FOUND when none
 // is complete (or none is theirs) or `dir` cannot be listed, UNAVAILABLE
-// when reading it fails midway.
+// when reading it fails midway. With `check` (a worker's --allow-path
+// policy), each checkpoint directory and each file in it is checked before
+// anything of it is read, since any may be a link out of the allowed
+// paths: its error (PERMISSION_DENIED) ends the search.
+using PathCheck = std::function<absl::Status(const std::string& path)>;
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector<std::string>* skipped = nullptr,
-                                             const std::optional<std::vector<std::string>>& writers = std::nullopt);
+                                             const std::optional<std::vector<std::string>>& writers = std::nullopt,
+                                             const PathCheck& check = nullptr);
 
 // A complete checkpoint of a run's directory, as retention and `coloctl
 // checkpoints` see it.

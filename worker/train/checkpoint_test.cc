@@ -795,6 +795,55 @@ TEST(Checkpoints, RanksThatChoseDifferentCheckpointsToResumeFromRefuseToGoOn) {
   EXPECT_TRUE(agreed.ok()) << agreed;
 }
 
+// A worker's --allow-path policy covers what a resume opens inside the
+// directory it names: a checkpoint directory that is a link out of the
+// allowed paths, or a file in one that is, ends the search with the
+// policy's error before anything of it is read; checkpoints inside are
+// found as always.
+TEST(Checkpoints, AResumeChecksEachCheckpointAndFileAgainstThePathPolicy) {
+  // (Checkpoints of fake bytes: the search reads and passes them over as
+  // damaged, which shows what it read.)
+  const std::string dir = TempPath("policy_ck"), outside = TempPath("policy_outside");
+  FakeCheckpoint(dir, 1, std::nullopt, 10);
+  FakeCheckpoint(outside, 5, std::nullopt, 10);
+  std::vector<std::string> asked;
+  std::error_code ec;
+  const std::string root = fs::weakly_canonical(dir, ec).string();
+  const PathCheck check = [&](const std::string& path) -> absl::Status {
+    asked.push_back(path);
+    std::error_code resolve;
+    return absl::StartsWith(fs::weakly_canonical(path, resolve).string(), root)
+               ? absl::OkStatus()
+               : absl::PermissionDeniedError(absl::StrCat(path, " is outside"));
+  };
+  std::vector<std::string> skipped;
+  auto inside = LatestCheckpoint(dir, &skipped, std::nullopt, check);
+  EXPECT_EQ(inside.status().code(), absl::StatusCode::kNotFound) << inside.status();
+  ASSERT_EQ(skipped.size(), 1u);
+  EXPECT_TRUE(absl::StartsWith(skipped[0], "step-000001: ")) << skipped[0];
+  EXPECT_NE(std::find(asked.begin(), asked.end(), StepDir(dir, 1) + "/rank-00000-of-00001.safetensors"), asked.end())
+      << "each file is checked";
+  // A newer step that is a link out: refused before it is read.
+  fs::create_directory_symlink(StepDir(outside, 5), StepDir(dir, 5));
+  skipped.clear();
+  auto linked = LatestCheckpoint(dir, &skipped, std::nullopt, check);
+  EXPECT_EQ(linked.status().code(), absl::StatusCode::kPermissionDenied) << linked.status();
+  EXPECT_TRUE(skipped.empty()) << "nothing of it was read";
+  skipped.clear();
+  EXPECT_FALSE(LatestCheckpoint(dir, &skipped).ok());
+  ASSERT_EQ(skipped.size(), 2u) << "without a policy it is read";
+  EXPECT_TRUE(absl::StartsWith(skipped[0], "step-000005: ")) << skipped[0];
+  // A file of a checkpoint inside that links out.
+  fs::remove(StepDir(dir, 5));
+  fs::remove(StepDir(dir, 1) + "/rank-00000-of-00001.safetensors");
+  fs::create_symlink(StepDir(outside, 5) + "/rank-00000-of-00001.safetensors",
+                     StepDir(dir, 1) + "/rank-00000-of-00001.safetensors");
+  auto file_out = LatestCheckpoint(StepDir(dir, 1), nullptr, std::nullopt, check);
+  EXPECT_EQ(file_out.status().code(), absl::StatusCode::kPermissionDenied) << file_out.status();
+  auto dir_out = LatestCheckpoint(dir, nullptr, std::nullopt, check);
+  EXPECT_EQ(dir_out.status().code(), absl::StatusCode::kPermissionDenied) << dir_out.status();
+}
+
 // A job the coordinator restarts resumes from the newest checkpoint it
 // wrote itself (TrainOptions::resume_writers), not from a later step another
 // job left in the same directory: another coordinator's job of the same

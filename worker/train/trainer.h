@@ -106,6 +106,11 @@ struct TrainOptions {
   // job left in resume_dir is never taken: `job`, and the bare job id that
   // workers before the job uid recorded.
   std::optional<std::vector<std::string>> resume_writers;
+  // The worker's path policy (--allow-path) for what a named directory
+  // holds: the checkpoints a resume looks at, each a directory of files
+  // that may be links out of the allowed paths (LatestCheckpoint's check).
+  // Empty: none.
+  PathCheck check_path;
   // If > 0 and < steps, stop after this step (as an interruption would),
   // writing no final model; at or past steps, the run is whole.
   int64_t stop_after = 0;
