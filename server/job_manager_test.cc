@@ -447,14 +447,6 @@ TEST(JobManager, SubmitGetListCancel) {
   EXPECT_EQ(jobs.List({}).size(), 2u);  // nothing half-created
 }
 
-// Two jobs saving into one checkpoint directory remove each other's saves
-// in progress: a job whose checkpoint_dir (or final_dir) is that of a job
-// not yet ended (compared as a normal path) is refused naming that job;
-// once the holder ended, the directory is free (a next run resumes from
-// it).
-// Jobs not ended are bounded (--max-active-jobs): a submit past it is
-// RESOURCE_EXHAUSTED, and one that ended makes room; a repeated request id
-// still returns its job.
 // The same spec of an uploaded model, uploaded again for the retry (a new
 // upload id): the same submission, unless the two uploads' files are known
 // to differ (another model under yesterday's request id).
@@ -484,6 +476,10 @@ TEST(JobManager, ARequestIdRepeatedForAnotherUploadIsARetryUnlessItsFilesDiffer)
   EXPECT_EQ(jobs.List({}).size(), 1u);
 }
 
+// Jobs not ended are bounded (--max-active-jobs): a submit past it is
+// RESOURCE_EXHAUSTED, and one that ended makes room; a repeated request id
+// still returns its job.
+
 TEST(JobManager, JobsNotEndedAreBounded) {
   FakeClock clock;
   JobManager jobs(&clock);
@@ -503,6 +499,11 @@ TEST(JobManager, JobsNotEndedAreBounded) {
   EXPECT_EQ(jobs.List({}).size(), 3u);
 }
 
+// Two jobs saving into one checkpoint directory remove each other's saves
+// in progress: a job whose checkpoint_dir (or final_dir) is that of a job
+// not yet ended (compared as a normal path) is refused naming that job;
+// once the holder ended, the directory is free (a next run resumes from
+// it).
 TEST(JobManager, OneActiveJobSavesIntoACheckpointDirectory) {
   FakeClock clock;
   JobManager jobs(&clock);

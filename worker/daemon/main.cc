@@ -35,8 +35,10 @@ ABSL_FLAG(std::string, labels, "",
           "Labels registered with the worker and listed by the coordinator, e.g. zone=a,rack=r12 (at most 64; "
           "keys up to 128 bytes, values up to 1024).");
 ABSL_FLAG(std::string, work_dir, "",
-          "Scratch directory for job ranks (each gets a subdirectory, removed when it ends). Default: a "
-          "fresh directory under $TMPDIR (or /tmp), removed at exit.");
+          "Scratch directory for job ranks (each gets a subdirectory, removed when it ends) and the downloaded "
+          "uploads. No job may name a path in it (PERMISSION_DENIED); keep it outside the --allow-path roots of "
+          "every other worker on the machine too. Default: a fresh directory under $TMPDIR (or /tmp), removed at "
+          "exit.");
 ABSL_FLAG(absl::Duration, tls_refresh_interval, absl::Minutes(1), colod::kTlsRefreshIntervalHelp);
 ABSL_FLAG(absl::Duration, auth_token_refresh_interval, absl::Minutes(1), colod::kAuthTokenRefreshIntervalHelp);
 ABSL_FLAG(absl::Duration, comm_timeout, absl::Minutes(2),
@@ -53,8 +55,9 @@ ABSL_FLAG(absl::Duration, metrics_linger, absl::Minutes(1),
           "rank ended, so that a scrape sees its final values; then they are removed.");
 ABSL_FLAG(std::vector<std::string>, allow_path, {},
           "A directory jobs may read and write (model weights, data, checkpoints, outputs); repeat it or separate "
-          "with commas. A job naming a path outside every one fails PERMISSION_DENIED. Default: none, which "
-          "allows every path this worker's user can open (logged at start).");
+          "with commas. A job naming a path outside every one, or in --work-dir, fails PERMISSION_DENIED; a root "
+          "in --work-dir is refused at start. Default: none, which allows every path this worker's user can open "
+          "but --work-dir (logged at start).");
 ABSL_FLAG(std::string, memory_limit, "",
           "Memory a job rank may use, e.g. 8GiB or 512MiB; reported to the coordinator, which places no rank "
           "here whose model needs more (parameters, gradients, optimizer state, and a training rank's "

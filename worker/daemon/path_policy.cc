@@ -45,8 +45,15 @@ absl::Status PathPolicy::Reserve(const std::string& dir) {
   std::error_code ec;
   const fs::path canonical = fs::canonical(dir, ec);
   if (ec) return absl::InvalidArgumentError(absl::StrCat("'", dir, "' cannot be resolved: ", ec.message()));
-  reserved_ = canonical.string();
-  while (reserved_.size() > 1 && reserved_.back() == '/') reserved_.pop_back();
+  std::string reserved = canonical.string();
+  while (reserved.size() > 1 && reserved.back() == '/') reserved.pop_back();
+  for (const std::string& root : roots_) {
+    if (Under(root, reserved)) {
+      return absl::InvalidArgumentError(absl::StrCat("--allow-path ", root, " is in --work-dir ", reserved,
+                                                     ", where no job may name a path: it would allow nothing"));
+    }
+  }
+  reserved_ = reserved;
   return absl::OkStatus();
 }
 
@@ -94,7 +101,10 @@ absl::Status PathPolicy::CheckJob(const v1::JobSpec& spec) const {
     if (reserved_.empty() || path.empty()) return absl::OkStatus();
     std::error_code ec;
     const fs::path resolved = fs::weakly_canonical(fs::absolute(path, ec), ec);
-    if (ec || !Under(resolved.lexically_normal().string(), reserved_)) return absl::OkStatus();
+    if (ec) {  // (fails closed: what cannot be resolved is not known to lie outside)
+      return absl::PermissionDeniedError(absl::StrCat(field, ": '", path, "' cannot be resolved: ", ec.message()));
+    }
+    if (!Under(resolved.lexically_normal().string(), reserved_)) return absl::OkStatus();
     return absl::PermissionDeniedError(absl::StrCat(field, ": '", path, "' is in this worker's own directory (",
                                                     reserved_,
                                                     ", --work-dir: its download cache and scratch), "

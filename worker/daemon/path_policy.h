@@ -16,7 +16,8 @@
 
 namespace colod {
 
-// Immutable after Create; thread-safe.
+// Immutable once made (Create, then Reserve before it is shared);
+// thread-safe.
 class PathPolicy {
  public:
   // Every path allowed.
@@ -43,7 +44,8 @@ class PathPolicy {
   // lock, rank directories, the flight recorder), which no job may name
   // even where a root holds it (a job's output written over a cached
   // upload would be loaded by the next job of that upload). Resolved here;
-  // INVALID_ARGUMENT where it does not exist.
+  // INVALID_ARGUMENT where it does not exist, or where a root lies in it
+  // (the root would allow nothing).
   absl::Status Reserve(const std::string& dir);
   const std::string& reserved() const { return reserved_; }
 

@@ -152,6 +152,13 @@ TEST_F(PathPolicyTest, NoJobNamesTheWorkersOwnDirectory) {
   }
   PathPolicy none;
   EXPECT_EQ(none.Reserve(base_ + "/missing").code(), absl::StatusCode::kInvalidArgument);
+  // A root in the work dir would allow nothing: refused (the worker does
+  // not start).
+  auto inside = PathPolicy::Create({work + "/uploads"});
+  ASSERT_TRUE(inside.ok()) << inside.status();
+  const absl::Status root_inside = inside->Reserve(work);
+  EXPECT_EQ(root_inside.code(), absl::StatusCode::kInvalidArgument) << root_inside;
+  EXPECT_NE(root_inside.message().find("it would allow nothing"), std::string::npos) << root_inside;
 }
 
 }  // namespace

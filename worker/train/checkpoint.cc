@@ -622,7 +622,24 @@ bool LaterGenerationOf(const CheckpointWriter& writer, const CheckpointWriter& w
 
 }  // namespace
 
-void RestoreMovedAsideCheckpoints(const std::string& dir, const CheckpointWriter& writer) {
+namespace {
+
+// `check` of a checkpoint directory and of each entry in it (each may be a
+// link); OK without a check.
+absl::Status CheckCheckpointPaths(const std::string& step_dir, const PathCheck& check) {
+  if (!check) return absl::OkStatus();
+  RETURN_IF_ERROR(check(step_dir));
+  // (One that cannot be listed is not read either: passed over as damaged.)
+  const absl::StatusOr<std::vector<std::string>> names = ListDirectory(step_dir);
+  for (const std::string& name : names.value_or(std::vector<std::string>{})) {
+    RETURN_IF_ERROR(check(absl::StrCat(step_dir, "/", name)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void RestoreMovedAsideCheckpoints(const std::string& dir, const CheckpointWriter& writer, const PathCheck& check) {
   for (const std::string& name : ListDirectory(dir).value_or(std::vector<std::string>{})) {
     const std::optional<CheckpointWriter> w = MovedAsideBy(name);
     if (!w.has_value() || LaterGenerationOf(writer, *w)) continue;
@@ -631,6 +648,8 @@ void RestoreMovedAsideCheckpoints(const std::string& dir, const CheckpointWriter
     // The replacement went in (or the name cannot be looked up).
     std::error_code lookup;
     if (fs::symlink_status(to, lookup).type() != fs::file_type::not_found) continue;
+    // Nothing of one outside the allowed paths is read (a link out).
+    if (!CheckCheckpointPaths(from, check).ok()) continue;
     // Only a whole checkpoint of its step: not a replaced one's leftover,
     // half removed.
     const absl::StatusOr<Json> state = ReadJson(absl::StrCat(from, "/", kState));
@@ -707,20 +726,6 @@ absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& 
   }
   return out;
 }
-
-namespace {
-
-// `check` of a checkpoint directory and of each entry in it (each may be a
-// link); OK without a check.
-absl::Status CheckCheckpointPaths(const std::string& step_dir, const PathCheck& check) {
-  if (!check) return absl::OkStatus();
-  RETURN_IF_ERROR(check(step_dir));
-  ASSIGN_OR_RETURN(const std::vector<std::string> names, ListDirectory(step_dir));
-  for (const std::string& name : names) RETURN_IF_ERROR(check(absl::StrCat(step_dir, "/", name)));
-  return absl::OkStatus();
-}
-
-}  // namespace
 
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector<std::string>* skipped,
                                              const std::optional<std::vector<std::string>>& writers,
@@ -976,10 +981,20 @@ absl::Status ConsolidateTrainingCheckpoint(const std::string& dir, const std::st
     return shardformer::ConsolidateCheckpoint(dir, out_dir, dtype);
   }
   const absl::StatusOr<Resumed> state = ReadTrainState(dir);
-  const DType saved = state.ok() ? state->param_dtype.value_or(DType::kF32) : DType::kF32;  // (before 2026-12: f32)
+  if (!state.ok()) {  // (never a silent widening of what may be a bf16 run's rounding)
+    return absl::FailedPreconditionError(
+        absl::StrCat(state.status().message(),
+                     ": the run's precision, and so whether its optimizer files hold the f32 master "
+                     "weights a ",
+                     DTypeName(*dtype),
+                     " model is made of, is not known; --dtype auto "
+                     "writes its parameters as saved"));
+  }
+  const DType saved = state->param_dtype.value_or(DType::kF32);  // (before 2026-12: f32 runs only)
   if (*dtype == saved || saved == DType::kF32) return shardformer::ConsolidateCheckpoint(dir, out_dir, dtype);
   // Every file opens and validates before anything is written.
   if (const absl::Status valid = Validate(dir); !valid.ok()) {
+    if (!absl::StrContains(valid.message(), "optim-rank-")) return valid;
     return absl::Status(valid.code(),
                         absl::StrCat(valid.message(), ": the ", DTypeName(*dtype), " model of a ", DTypeName(saved),
                                      " run is made of the f32 master weights its optimizer files hold; without "

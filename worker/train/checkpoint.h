@@ -130,6 +130,11 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
                                     std::optional<double> eval_loss = std::nullopt,
                                     const CheckpointWriter& writer = {}, const std::string& report = "");
 
+// A worker's path policy (--allow-path: PathPolicy::Check) for what a
+// directory a job names holds: PERMISSION_DENIED for a path that resolves
+// outside the allowed ones.
+using PathCheck = std::function<absl::Status(const std::string& path)>;
+
 // The newest complete checkpoint directory under `dir` (DIR/step-NNNNNN),
 // or `dir` itself where it is one (FAILED_PRECONDITION where it is damaged),
 // skipping damaged ones; `skipped` (if given) gets the ones passed over and
@@ -142,7 +147,6 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
 // policy), each checkpoint directory and each file in it is checked before
 // anything of it is read, since any may be a link out of the allowed
 // paths: its error (PERMISSION_DENIED) ends the search.
-using PathCheck = std::function<absl::Status(const std::string& path)>;
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector<std::string>* skipped = nullptr,
                                              const std::optional<std::vector<std::string>>& writers = std::nullopt,
                                              const PathCheck& check = nullptr);
@@ -179,8 +183,10 @@ struct Retention {
 // `writer`'s job's later generations are left alone (that save may be
 // running). A resume calls it before it looks for the newest checkpoint,
 // and PruneCheckpoints before it removes leftovers. Never fails: what
-// cannot be put back (a read-only directory) is logged and left.
-void RestoreMovedAsideCheckpoints(const std::string& dir, const CheckpointWriter& writer);
+// cannot be put back (a read-only directory) is logged and left, and so is
+// one `check` refuses (nothing of it is read).
+void RestoreMovedAsideCheckpoints(const std::string& dir, const CheckpointWriter& writer,
+                                  const PathCheck& check = nullptr);
 
 // Removes `writer`'s checkpoints under `dir` (those its job wrote, of any
 // generation) that `keep` does not keep, and the leftovers of removals a

@@ -311,8 +311,9 @@ TEST(Consolidation, ATrainingCheckpointInAnotherDTypeIsItsMasterWeights) {
   EXPECT_NE(no_optim.message().find("--dtype auto writes its parameters as saved"), std::string::npos) << no_optim;
   std::ofstream(step + "/train_state.json", std::ios::trunc) << "{\"step\": ";
   EXPECT_TRUE(ConsolidateTrainingCheckpoint(step, TempPath("masters_salvaged"), std::nullopt).ok());
-  EXPECT_TRUE(ConsolidateTrainingCheckpoint(step, TempPath("masters_salvaged_f32"), DType::kF32).ok())
-      << "a state that does not read names no precision: the parameters, widened";
+  const absl::Status unknown = ConsolidateTrainingCheckpoint(step, TempPath("masters_salvaged_f32"), DType::kF32);
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kFailedPrecondition) << unknown;
+  EXPECT_NE(unknown.message().find("precision"), std::string::npos) << "not a silent widening: " << unknown;
 }
 
 // A run killed after every step and resumed in the same directory is one

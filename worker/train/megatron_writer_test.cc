@@ -6,7 +6,9 @@
 #include "worker/train/megatron_writer.h"
 
 #include <filesystem>
+#include <fstream>
 
+#include "common/little_endian.h"
 #include "gtest/gtest.h"
 #include "tests/testing/full_disk.h"
 #include "tests/testing/temp_dir.h"
@@ -49,7 +51,16 @@ TEST(MegatronWriter, WritesWhatTheReaderReadsWithItsDocuments) {
   auto c = TokenCorpus::Open(prefix, DataFormat::kMegatron);
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ((*c)->Window(0, 6)->ToInt64s(), (std::vector<int64_t>{1, 2, 3, 99, 4, 5}));
-  EXPECT_EQ((*c)->documents(), (std::vector<int64_t>{0, 3, 3, 4}));
+  // The empty document is in the index (five boundaries over four
+  // sequences); the reader keeps its start once (it adds no cut).
+  {
+    std::ifstream idx(prefix + ".idx", std::ios::binary);
+    unsigned char count[8];
+    idx.seekg(26);
+    idx.read(reinterpret_cast<char*>(count), 8);
+    EXPECT_EQ(LoadLittleEndian(count, 8), 5u);
+  }
+  EXPECT_EQ((*c)->documents(), (std::vector<int64_t>{0, 3, 4}));
   // uint16 below 65500 ids, int32 from there (Megatron's best_fitting_dtype).
   ASSERT_TRUE(Write(TempPath("mw_narrow"), 65499, {{65498, 0}}).ok());
   ASSERT_TRUE(Write(TempPath("mw_wide"), 65500, {{65499, 0}}).ok());

@@ -433,7 +433,7 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   run->writer = o.job.empty() ? LocalRunWriter() : CheckpointWriter{.job = o.job, .generation = o.generation};
   if (!o.resume_dir.empty()) {
     // A save that died mid-replace may have left its step's only copy aside.
-    RestoreMovedAsideCheckpoints(o.resume_dir, run->writer);
+    RestoreMovedAsideCheckpoints(o.resume_dir, run->writer, o.check_path);
     ASSIGN_OR_RETURN(run->resume, LatestCheckpoint(o.resume_dir, &run->skipped, o.resume_writers, o.check_path));
     run->resumed_named = run->resume == o.resume_dir;
     for (const std::string& s : run->skipped) COLOD_LOG(WARNING) << "skipping damaged checkpoint " << s;
