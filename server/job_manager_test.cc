@@ -479,7 +479,6 @@ TEST(JobManager, ARequestIdRepeatedForAnotherUploadIsARetryUnlessItsFilesDiffer)
 // Jobs not ended are bounded (--max-active-jobs): a submit past it is
 // RESOURCE_EXHAUSTED, and one that ended makes room; a repeated request id
 // still returns its job.
-
 TEST(JobManager, JobsNotEndedAreBounded) {
   FakeClock clock;
   JobManager jobs(&clock);

@@ -504,7 +504,7 @@ absl::Status JobRunner::RunRank(Active& active) {
     if (req.resume_own_checkpoints()) options.resume_writers = std::vector<std::string>{options.job, req.job_id()};
     if (!options_.paths.unrestricted()) {
       options.check_path = [paths = options_.paths](const std::string& path) {
-        return paths.Check("spec.train.resume_from: a checkpoint in it", path);
+        return paths.Check("spec.train: a checkpoint of resume_from or checkpoint_dir", path);
       };
     }
     // (Every rank of the placement gets the same: its workers all agree, or not.)

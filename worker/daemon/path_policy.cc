@@ -6,6 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 #include "worker/train/data.h"
 
@@ -47,12 +48,23 @@ absl::Status PathPolicy::Reserve(const std::string& dir) {
   if (ec) return absl::InvalidArgumentError(absl::StrCat("'", dir, "' cannot be resolved: ", ec.message()));
   std::string reserved = canonical.string();
   while (reserved.size() > 1 && reserved.back() == '/') reserved.pop_back();
+  // A root in the work dir allows nothing: dropped, said so; where every
+  // root is one, the worker would run no job that names a path.
+  std::vector<std::string> kept;
   for (const std::string& root : roots_) {
-    if (Under(root, reserved)) {
-      return absl::InvalidArgumentError(absl::StrCat("--allow-path ", root, " is in --work-dir ", reserved,
-                                                     ", where no job may name a path: it would allow nothing"));
+    if (!Under(root, reserved)) {
+      kept.push_back(root);
+      continue;
     }
+    COLOD_LOG(WARNING) << "--allow-path " << root << " is in --work-dir " << reserved
+                       << ", where no job may name a path: it allows nothing (give a directory beside the work dir)";
   }
+  if (kept.empty() && !roots_.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("every --allow-path is in --work-dir ", reserved,
+                                                   ", where no job may name a path: they would allow nothing (give "
+                                                   "directories beside the work dir)"));
+  }
+  roots_ = std::move(kept);
   reserved_ = reserved;
   return absl::OkStatus();
 }

@@ -44,8 +44,8 @@ class PathPolicy {
   // lock, rank directories, the flight recorder), which no job may name
   // even where a root holds it (a job's output written over a cached
   // upload would be loaded by the next job of that upload). Resolved here;
-  // INVALID_ARGUMENT where it does not exist, or where a root lies in it
-  // (the root would allow nothing).
+  // a root in it allows nothing, and is dropped with a warning. INVALID_ARGUMENT
+  // where it does not exist, or where every root lies in it.
   absl::Status Reserve(const std::string& dir);
   const std::string& reserved() const { return reserved_; }
 

@@ -123,13 +123,13 @@ TEST_F(PathPolicyTest, NoJobNamesTheWorkersOwnDirectory) {
   const std::string work = base_ + "/data/work";
   fs::create_directories(work + "/uploads/upload-000001-00000000000000aa");
   fs::create_symlink(work, base_ + "/data/to-work");
+  const auto spec_with = [](const std::function<void(v1::JobSpec&)>& set) {
+    v1::JobSpec spec;
+    set(spec);
+    return spec;
+  };
   for (PathPolicy policy : {policy_, PathPolicy()}) {
     ASSERT_TRUE(policy.Reserve(work).ok());
-    const auto spec_with = [](const std::function<void(v1::JobSpec&)>& set) {
-      v1::JobSpec spec;
-      set(spec);
-      return spec;
-    };
     for (const std::string& bad :
          {work, work + "/uploads/upload-000001-00000000000000aa/model.safetensors", work + "/LOCK",
           base_ + "/data/to-work/uploads/x", base_ + "/data/sub/../work/flight-recorder"}) {
@@ -152,13 +152,20 @@ TEST_F(PathPolicyTest, NoJobNamesTheWorkersOwnDirectory) {
   }
   PathPolicy none;
   EXPECT_EQ(none.Reserve(base_ + "/missing").code(), absl::StatusCode::kInvalidArgument);
-  // A root in the work dir would allow nothing: refused (the worker does
-  // not start).
+  // A root in the work dir allows nothing: dropped (the others serve), and
+  // where every root is one, refused (the worker does not start).
   auto inside = PathPolicy::Create({work + "/uploads"});
   ASSERT_TRUE(inside.ok()) << inside.status();
   const absl::Status root_inside = inside->Reserve(work);
   EXPECT_EQ(root_inside.code(), absl::StatusCode::kInvalidArgument) << root_inside;
-  EXPECT_NE(root_inside.message().find("it would allow nothing"), std::string::npos) << root_inside;
+  EXPECT_NE(root_inside.message().find("they would allow nothing"), std::string::npos) << root_inside;
+  auto mixed = PathPolicy::Create({work, base_ + "/ckpt"});
+  ASSERT_TRUE(mixed.ok()) << mixed.status();
+  ASSERT_TRUE(mixed->Reserve(work).ok());
+  EXPECT_EQ(mixed->roots(), std::vector<std::string>{base_ + "/ckpt"});
+  EXPECT_TRUE(
+      mixed->CheckJob(spec_with([&](v1::JobSpec& s) { s.mutable_train()->set_final_dir(base_ + "/ckpt/final"); }))
+          .ok());
 }
 
 }  // namespace

@@ -625,15 +625,20 @@ bool LaterGenerationOf(const CheckpointWriter& writer, const CheckpointWriter& w
 namespace {
 
 // `check` of a checkpoint directory and of each entry in it (each may be a
-// link); OK without a check.
+// link); OK without a check. Its error (PERMISSION_DENIED) where it refuses
+// one; FAILED_PRECONDITION where the directory cannot be listed (a 0111
+// directory's files open by name though they cannot be listed: none of it
+// may be read, since none of it was checked).
 absl::Status CheckCheckpointPaths(const std::string& step_dir, const PathCheck& check) {
   if (!check) return absl::OkStatus();
   RETURN_IF_ERROR(check(step_dir));
-  // (One that cannot be listed is not read either: passed over as damaged.)
   const absl::StatusOr<std::vector<std::string>> names = ListDirectory(step_dir);
-  for (const std::string& name : names.value_or(std::vector<std::string>{})) {
-    RETURN_IF_ERROR(check(absl::StrCat(step_dir, "/", name)));
+  if (!names.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot be listed, so its files cannot be checked against this worker's --allow-path (",
+                     names.status().message(), ")"));
   }
+  for (const std::string& name : *names) RETURN_IF_ERROR(check(absl::StrCat(step_dir, "/", name)));
   return absl::OkStatus();
 }
 
@@ -649,7 +654,10 @@ void RestoreMovedAsideCheckpoints(const std::string& dir, const CheckpointWriter
     std::error_code lookup;
     if (fs::symlink_status(to, lookup).type() != fs::file_type::not_found) continue;
     // Nothing of one outside the allowed paths is read (a link out).
-    if (!CheckCheckpointPaths(from, check).ok()) continue;
+    if (const absl::Status allowed = CheckCheckpointPaths(from, check); !allowed.ok()) {
+      COLOD_LOG(WARNING) << "not putting back " << from << ": " << allowed.message();
+      continue;
+    }
     // Only a whole checkpoint of its step: not a replaced one's leftover,
     // half removed.
     const absl::StatusOr<Json> state = ReadJson(absl::StrCat(from, "/", kState));
@@ -675,10 +683,10 @@ void RestoreMovedAsideCheckpoints(const std::string& dir, const CheckpointWriter
 
 absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& dir, const Retention& keep,
                                                              const std::string& must_keep,
-                                                             const CheckpointWriter& writer) {
+                                                             const CheckpointWriter& writer, const PathCheck& check) {
   // A moved-aside checkpoint whose step has no other is the only copy of
   // it: put back, not removed below.
-  RestoreMovedAsideCheckpoints(dir, writer);
+  RestoreMovedAsideCheckpoints(dir, writer, check);
   for (const std::string& name : ListDirectory(dir).value_or(std::vector<std::string>{})) {
     if (absl::StartsWith(name, ".trash-step-")) {  // removals a crash interrupted, and replaced checkpoints
       const std::optional<CheckpointWriter> w = MovedAsideBy(name);
@@ -733,7 +741,9 @@ absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector
   // A checkpoint itself (DIR/step-N, e.g. the best one to go on from): it,
   // if complete and one of `writers`'.
   if (IsRegularFile(absl::StrCat(dir, "/", kState))) {
-    RETURN_IF_ERROR(CheckCheckpointPaths(dir, check));
+    if (const absl::Status allowed = CheckCheckpointPaths(dir, check); !allowed.ok()) {
+      return absl::Status(allowed.code(), absl::StrCat(dir, ": ", allowed.message()));
+    }
     ASSIGN_OR_RETURN(const Json state, ReadJson(absl::StrCat(dir, "/", kState)));
     if (writers.has_value() && std::find(writers->begin(), writers->end(), WriterJob(state)) == writers->end()) {
       return absl::NotFoundError(absl::StrCat(dir, " is another writer's checkpoint (", WriterJob(state), ")"));
@@ -755,7 +765,13 @@ absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector
   int64_t others = 0;  // another writer's, complete or not
   for (const auto& [number, s] : numbered) {
     const std::string step_dir = dir + "/" + s;
-    RETURN_IF_ERROR(CheckCheckpointPaths(step_dir, check));
+    // A link out ends the search; one that cannot be listed (its files
+    // unchecked) is passed over.
+    if (const absl::Status allowed = CheckCheckpointPaths(step_dir, check); !allowed.ok()) {
+      if (absl::IsPermissionDenied(allowed)) return allowed;
+      if (skipped != nullptr) skipped->push_back(absl::StrCat(s, ": ", allowed.message()));
+      continue;
+    }
     const absl::StatusOr<Json> state = ReadJson(step_dir + "/" + kState);
     if (state.ok() && writers.has_value() &&
         std::find(writers->begin(), writers->end(), WriterJob(*state)) == writers->end()) {
@@ -974,14 +990,22 @@ absl::StatusOr<Resumed> RestoreTrainingCheckpoint(const std::string& checkpoint,
 
 absl::Status ConsolidateTrainingCheckpoint(const std::string& dir, const std::string& out_dir,
                                            std::optional<DType> dtype) {
-  // The parameters as saved where no other dtype is asked for, where the
-  // directory is no training checkpoint, or where its state does not read
-  // (consolidation salvages a checkpoint a resume passes over).
+  // The parameters as saved where no other dtype is asked for, or where the
+  // directory is no training checkpoint.
   if (!dtype.has_value() || !shardformer::IsModelDType(*dtype) || !IsRegularFile(absl::StrCat(dir, "/", kState))) {
     return shardformer::ConsolidateCheckpoint(dir, out_dir, dtype);
   }
   const absl::StatusOr<Resumed> state = ReadTrainState(dir);
-  if (!state.ok()) {  // (never a silent widening of what may be a bf16 run's rounding)
+  // A state that does not read (a checkpoint a resume passes over, salvaged)
+  // leaves the index to say whether the run was f32; if not, never a silent
+  // widening of what may be a bf16 run's rounding.
+  if (!state.ok()) {
+    const absl::StatusOr<shardformer::CheckpointIndex> index = shardformer::ReadCheckpointIndex(dir);
+    bool f32 = index.ok() && !index->tensors.empty();
+    if (index.ok()) {
+      for (const auto& [name, t] : index->tensors) f32 = f32 && t.dtype == "F32";
+    }
+    if (f32) return shardformer::ConsolidateCheckpoint(dir, out_dir, dtype);
     return absl::FailedPreconditionError(
         absl::StrCat(state.status().message(),
                      ": the run's precision, and so whether its optimizer files hold the f32 master "

@@ -209,10 +209,11 @@ void RestoreMovedAsideCheckpoints(const std::string& dir, const CheckpointWriter
 // job's later generations (a checkpoint moved aside mid-replace where the
 // file system cannot exchange, .trash-step-N.JOB.gen-G) are left alone;
 // the others' are put back where their step has no checkpoint
-// (RestoreMovedAsideCheckpoints), and removed where it has.
+// (RestoreMovedAsideCheckpoints, with `check`), and removed where it has.
 absl::StatusOr<std::vector<CheckpointInfo>> PruneCheckpoints(const std::string& dir, const Retention& keep,
                                                              const std::string& must_keep = "",
-                                                             const CheckpointWriter& writer = {});
+                                                             const CheckpointWriter& writer = {},
+                                                             const PathCheck& check = nullptr);
 
 struct Resumed {
   int64_t step = 0;  // steps done; training continues with step + 1

@@ -1044,8 +1044,9 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       if (rank == 0 && pg.Aborted().ok()) {
         // The runs it continues are the same run: their checkpoints here
         // count as this one's (run.writer.lineage; a restart's are its own).
-        absl::StatusOr<std::vector<CheckpointInfo>> kept = PruneCheckpoints(
-            o.save_dir, Retention{.keep_last = o.keep_last, .keep_best = o.keep_best}, s.checkpoint, run.writer);
+        absl::StatusOr<std::vector<CheckpointInfo>> kept =
+            PruneCheckpoints(o.save_dir, Retention{.keep_last = o.keep_last, .keep_best = o.keep_best}, s.checkpoint,
+                             run.writer, o.check_path);
         if (kept.ok()) {
           s.checkpoints = *std::move(kept);
           // The report carries the newest kMaxReportedCheckpoints, their
