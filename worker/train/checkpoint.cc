@@ -827,20 +827,27 @@ namespace {
 // and pipeline shards when the checkpoint was written at `saved` (this
 // run's layout with another data_parallel_size): the ranks whose mesh
 // coordinates other than dp are this rank's.
+// The optimizer files of the ranks of `saved` (the mesh a checkpoint was
+// written at) whose coordinates but on the `dp_axes` are `coords`: those
+// holding the pieces of one shard's state, whole or ZeRO's partitions.
+std::vector<std::string> OptimFilesOfShard(const DeviceMesh& saved, const std::vector<int>& dp_axes,
+                                           const std::vector<int>& coords) {
+  std::vector<std::string> files;
+  for (int r = 0; r < saved.world_size(); ++r) {
+    const std::vector<int> theirs = saved.Coordinates(r);
+    bool same = theirs.size() == coords.size();
+    for (size_t a = 0; same && a < coords.size(); ++a) {
+      same = std::find(dp_axes.begin(), dp_axes.end(), static_cast<int>(a)) != dp_axes.end() || theirs[a] == coords[a];
+    }
+    if (same) files.push_back(OptimFile(r, saved.world_size()));
+  }
+  return files;
+}
+
 absl::StatusOr<std::vector<std::string>> PeerOptimFiles(const v1::ShardConfig& saved, ProcessGroup* pg) {
   ASSIGN_OR_RETURN(const DeviceMesh old, DeviceMesh::FromShardConfig(saved));
   ASSIGN_OR_RETURN(const std::vector<int> dp_axes, pg->mesh().AxisIndices("dp"));
-  const std::vector<int> mine = pg->mesh().Coordinates(pg->rank());
-  std::vector<std::string> files;
-  for (int r = 0; r < old.world_size(); ++r) {
-    const std::vector<int> theirs = old.Coordinates(r);
-    bool same = theirs.size() == mine.size();
-    for (size_t a = 0; same && a < mine.size(); ++a) {
-      same = std::find(dp_axes.begin(), dp_axes.end(), static_cast<int>(a)) != dp_axes.end() || theirs[a] == mine[a];
-    }
-    if (same) files.push_back(OptimFile(r, old.world_size()));
-  }
-  return files;
+  return OptimFilesOfShard(old, dp_axes, pg->mesh().Coordinates(pg->rank()));
 }
 
 // The offset within its parameter of the saved state tensor `name` if it
@@ -1057,16 +1064,7 @@ absl::Status ConsolidateTrainingCheckpoint(const std::string& dir, const std::st
       return absl::InvalidArgumentError(
           absl::StrCat(dir, ": ", b.file, " is not a rank file of its ", world, " ranks"));
     }
-    const std::vector<int> mine = mesh->Coordinates(at->second);
-    std::vector<std::string> peers;
-    for (int r = 0; r < world; ++r) {
-      const std::vector<int> theirs = mesh->Coordinates(r);
-      bool same = true;
-      for (size_t a = 0; same && a < mine.size(); ++a) {
-        same = std::find(dp_axes.begin(), dp_axes.end(), static_cast<int>(a)) != dp_axes.end() || theirs[a] == mine[a];
-      }
-      if (same) peers.push_back(OptimFile(r, world));
-    }
+    const std::vector<std::string> peers = OptimFilesOfShard(*mesh, dp_axes, mesh->Coordinates(at->second));
     int64_t elements = 1;
     for (int64_t l : b.lengths) elements *= l;  // (the index's blocks were checked against their files)
     ASSIGN_OR_RETURN(Tensor master, Tensor::Zeros({elements}, DType::kF32));
