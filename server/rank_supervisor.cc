@@ -23,9 +23,9 @@ std::string RankKey(const std::vector<std::string>& keys, int rank) {
   return rank >= 0 && static_cast<size_t>(rank) < keys.size() ? keys[rank] : "";
 }
 
-void RankSupervisor::StopRanks(const std::string& job_id, int64_t generation, const v1::MeshSpec& mesh,
-                               const std::vector<std::string>& keys, const std::set<int>& ended, int except_rank,
-                               const std::string& reason) {
+void RankSupervisor::StopRanks(const std::string& job_id, const std::string& job_uid, int64_t generation,
+                               const v1::MeshSpec& mesh, const std::vector<std::string>& keys,
+                               const std::set<int>& ended, int except_rank, const std::string& reason) {
   absl::MutexLock lock(&mu_);
   for (const v1::RankAssignment& a : mesh.ranks()) {
     if (ended.count(a.rank()) || a.rank() == except_rank) continue;
@@ -34,6 +34,7 @@ void RankSupervisor::StopRanks(const std::string& job_id, int64_t generation, co
     call.key = RankKey(keys, a.rank());
     call.request.set_job_id(job_id);
     call.request.set_generation(generation);
+    call.request.set_job_uid(job_uid);
     call.request.set_reason(reason);
     aborts_.push_back(std::move(call));
   }

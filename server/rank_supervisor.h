@@ -87,8 +87,10 @@ class RankSupervisor {
   // Queues an abort of the placement to each rank of `mesh` not in `ended`
   // and not `except_rank` (-1: none). `keys`: each rank's worker's key, by
   // rank (Scheduler's Placed::keys), carried by its call (WorkerClient::
-  // Call::key): a daemon restarted at a rank's address refuses it.
-  void StopRanks(const std::string& job_id, int64_t generation, const v1::MeshSpec& mesh,
+  // Call::key): a daemon restarted at a rank's address refuses it. Each
+  // abort carries `job_uid` (Job.uid): a worker that gets it before the
+  // rank's assignment refuses the assignment (AbortJobRequest.job_uid).
+  void StopRanks(const std::string& job_id, const std::string& job_uid, int64_t generation, const v1::MeshSpec& mesh,
                  const std::vector<std::string>& keys, const std::set<int>& ended, int except_rank,
                  const std::string& reason) ABSL_LOCKS_EXCLUDED(mu_);
   // Queues an abort to each BUSY worker of `workers` whose job generation

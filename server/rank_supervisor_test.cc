@@ -88,12 +88,13 @@ TEST_F(RankSupervisorTest, StopsTheRanksThatHaveNotEndedOnceEach) {
     fake_->aborted.clear();
     // Each call carries its rank's worker's key (a daemon restarted at the
     // address refuses it).
-    supervisor_.StopRanks("j", 4, Mesh(4), Keys(4), c.ended, c.except, "why");
+    supervisor_.StopRanks("j", "0a1b", 4, Mesh(4), Keys(4), c.ended, c.except, "why");
     supervisor_.SendAborts();  // NOT_FOUND answers are fine
     EXPECT_EQ(Addresses(fake_->aborted), c.aborted);
     for (const auto& a : fake_->aborted) {
       EXPECT_EQ(a.request.job_id(), "j");
       EXPECT_EQ(a.request.generation(), 4);
+      EXPECT_EQ(a.request.job_uid(), "0a1b");
       EXPECT_EQ(a.request.reason(), "why");
     }
     supervisor_.SendAborts();  // sent once

@@ -465,16 +465,28 @@ void Scheduler::Assign(const std::string& job_id) {
   // answer, is busy or rejects the coordinator refuses for the cluster's,
   // and another placement may well succeed.
   bool jobs_fault = false;
+  bool stopped_before_start = false;
   for (size_t i = 0; i < answers.size(); ++i) {
     if (answers[i].ok()) continue;
+    const v1::RankAssignment& a = p.mesh.ranks(static_cast<int>(i));
+    if (absl::IsAborted(answers[i]) && p.stopping()) {
+      // The placement's abort reached the worker before its assignment,
+      // which it then refused: the rank never started, and the worker did
+      // nothing wrong.
+      p.ended.insert(a.rank());
+      stopped_before_start = true;
+      continue;
+    }
     jobs_fault |= answers[i].code() == absl::StatusCode::kInvalidArgument ||
                   answers[i].code() == absl::StatusCode::kUnimplemented;
-    const v1::RankAssignment& a = p.mesh.ranks(static_cast<int>(i));
     p.ended.insert(a.rank());  // it never started
     refused_until_[a.worker_id()] = clock_->Now() + options_.refusal_cooloff;
     refused.push_back(absl::StrCat(RankName(p.mesh, a.rank()), " refused the assignment: ", answers[i].ToString()));
   }
-  if (refused.empty()) return;
+  if (refused.empty()) {
+    if (stopped_before_start) ReleaseLocked();  // its last rank may have been one of those
+    return;
+  }
   // (While a rank's failure is probed, the job fails or restarts for it:
   // a refusal does not take its place.)
   if (p.state == PlacementState::kRunning) {
@@ -890,7 +902,7 @@ void Scheduler::StopRanksLocked(Placed& p, PlacementState next, const std::strin
   if (!TransitionLocked(p, next)) return;
   p.stopped_at = std::min(p.stopped_at, clock_->Now());  // a cancel after the end keeps the first
   store_->CancelScope(p.scope);  // ranks blocked in this generation's rendezvous are free at once
-  supervisor_.StopRanks(p.job_id, p.generation, p.mesh, *p.keys, p.ended, except_rank, reason);
+  supervisor_.StopRanks(p.job_id, p.uid, p.generation, p.mesh, *p.keys, p.ended, except_rank, reason);
   wake_ = true;
 }
 

@@ -37,6 +37,7 @@ namespace {
 class FakeWorkers final : public WorkerClient {
  public:
   std::vector<absl::Status> Assign(const std::vector<Call<v1::AssignJobRequest>>& calls, absl::Duration) override {
+    if (during_assign) during_assign();  // (set before the scheduler runs, read on its assigning thread)
     absl::MutexLock lock(&mu_);
     std::vector<absl::Status> out;
     for (const auto& c : calls) {
@@ -59,6 +60,7 @@ class FakeWorkers final : public WorkerClient {
   std::vector<Call<v1::AbortJobRequest>> aborted;
   std::set<std::string> refuse;
   absl::Status refusal = absl::UnavailableError("stopped");
+  std::function<void()> during_assign;  // runs as the calls go out
 };
 
 // testing::TinyTrainSpec, ten steps of 4 x 32 tokens with a checkpoint every
@@ -1210,6 +1212,30 @@ TEST_F(SchedulerTest, OnlyRefusalsOfTheJobsOwnCountAgainstItsPlacements) {
   EXPECT_TRUE(absl::StartsWith(j.reason(), "every placement was refused: rank 0 "));
   EXPECT_EQ(std::vector<std::string>(absl::StrSplit(j.reason(), "INVALID_ARGUMENT")).size() - 1, 3u) << j.reason();
   EXPECT_FALSE(absl::StrContains(j.reason(), "UNAVAILABLE")) << j.reason();
+}
+
+// A placement stopped while its assignments are on their way (here the job
+// is cancelled) sends its aborts at once; a worker that gets the abort
+// first refuses the assignment (ABORTED). That refusal is no fault of the
+// worker's: it sits out no cool-off, and the rank counts as ended, so the
+// workers take the next job at once.
+TEST_F(SchedulerTest, AnAssignmentOvertakenByItsAbortCostsTheWorkerNoCoolOff) {
+  Start(2);
+  const std::string id = jobs_->Submit(TrainSpec(2, 1), "")->job_id();
+  fake_->during_assign = [&] { EXPECT_TRUE(scheduler_->Cancel(id, "not wanted").ok()); };
+  fake_->refuse = {"10.0.0.1:7071", "10.0.0.2:7071"};
+  fake_->refusal = absl::AbortedError(
+      "generation 1 of job 'job-000001' no longer runs: this worker was told to abort "
+      "its generation 1 before this assignment arrived");
+  scheduler_->TickForTest();
+  fake_->during_assign = nullptr;
+  fake_->refuse.clear();
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(fake_->assigned.size(), 2u);
+  const std::string next = jobs_->Submit(TrainSpec(2, 1), "")->job_id();
+  scheduler_->TickForTest();
+  EXPECT_EQ(Job(next).state(), v1::JOB_STATE_SCHEDULED) << Job(next).reason();
+  EXPECT_EQ(fake_->assigned.size(), 4u);
 }
 
 TEST_F(SchedulerTest, RanksGoOnlyToWorkersWithTheMemoryTheyNeed) {

@@ -156,10 +156,11 @@ void JobRunner::Close(const std::string& reason) {
   if (active) Stop(*active, why);
 }
 
-bool JobRunner::Drain(const std::string& reason) {
+bool JobRunner::Drain(const std::string& reason, bool save) {
   absl::MutexLock lock(&mu_);
   if (closed_.empty()) closed_ = ClosedReason(reason);
-  if (!active_ || active_->request.spec().kind() != v1::JOB_KIND_TRAIN || !active_->request.drain()) return false;
+  if (!save || !active_ || active_->request.spec().kind() != v1::JOB_KIND_TRAIN || !active_->request.drain())
+    return false;
   active_->drain = true;
   return true;
 }
@@ -213,6 +214,15 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
     return std::make_tuple(r.job_id(), r.job_uid(), r.generation(), r.rank());
   };
   const auto same = [&](const v1::AssignJobRequest& now) { return key(now) == key(req); };
+  // The previous rank's thread, joined once mu_ is released (declared
+  // before the lock, so destroyed after it): it has ended or is ending (Run
+  // clears active_ as its last act under mu_), but a join is a wait.
+  struct JoinAfterUnlock {
+    std::thread thread;
+    ~JoinAfterUnlock() {
+      if (thread.joinable()) thread.join();
+    }
+  } previous;
   absl::MutexLock lock(&mu_);
   if (active_ && active_->end_reported && !same(active_->request)) {
     // The coordinator heard of its end and may place the next rank here at
@@ -228,14 +238,18 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
         absl::StrCat("this worker takes no rank: ", device_lost_.message(), "; it is restarting"));
   }
   if (!active_ && last_ended_ == key(req)) return absl::OkStatus();  // it ran here and ended
+  if (active_ && same(active_->request)) return absl::OkStatus();
+  if (const std::optional<std::string> later = LaterGenerationLocked(req); later.has_value()) {
+    return absl::AbortedError(absl::StrCat("generation ", req.generation(), " of job '", req.job_id(),
+                                           "' no longer runs: this worker ", *later));
+  }
   if (active_) {
     const v1::AssignJobRequest& now = active_->request;
-    if (same(now)) return absl::OkStatus();
     return absl::FailedPreconditionError(absl::StrCat("this worker runs rank ", now.rank(), " of job '",
                                                       now.job_id(), "' (generation ", now.generation(), ")"));
   }
   RETURN_IF_ERROR(room);
-  if (thread_.joinable()) thread_.join();  // the previous rank's thread has ended (active_ is cleared last)
+  previous.thread = std::move(thread_);
   ProgressReporter::Options reporting{options_.coordinator, options_.auth_token, options_.rpc_timeout,
                                       options_.worker_id, options_.worker_key};
   std::shared_ptr<Active> active;
@@ -310,10 +324,42 @@ void JobRunner::Stop(Active& active, const std::string& reason) {
   if (pg != nullptr) pg->Abort(absl::AbortedError(reason));
 }
 
+std::optional<std::string> JobRunner::LaterGenerationLocked(const v1::AssignJobRequest& req) const {
+  // Only a job with a uid is known to be the same job: a coordinator whose
+  // data dir was lost numbers its jobs and their generations from 1 again.
+  if (req.job_uid().empty()) return std::nullopt;
+  const auto of_job = [&req](const std::string& job_id, const std::string& uid) {
+    return job_id == req.job_id() && uid == req.job_uid();
+  };
+  if (active_ && of_job(active_->request.job_id(), active_->request.job_uid()) &&
+      active_->request.generation() > req.generation()) {
+    return absl::StrCat("runs its generation ", active_->request.generation());
+  }
+  if (last_ended_.has_value() && of_job(std::get<0>(*last_ended_), std::get<1>(*last_ended_)) &&
+      std::get<2>(*last_ended_) > req.generation()) {
+    return absl::StrCat("ran its generation ", std::get<2>(*last_ended_));
+  }
+  for (const auto& [job_id, uid, generation] : aborted_) {
+    if (of_job(job_id, uid) && generation >= req.generation()) {
+      return absl::StrCat("was told to abort its generation ", generation, " before this assignment arrived");
+    }
+  }
+  return std::nullopt;
+}
+
 absl::Status JobRunner::Abort(const v1::AbortJobRequest& req) {
   std::shared_ptr<Active> active;
   {
     absl::MutexLock lock(&mu_);
+    // An abort of a generation that does not run here may have overtaken
+    // its assignment (the coordinator sends both at once when a placement
+    // stops as it starts): that assignment, arriving later, is refused.
+    const bool runs_it =
+        active_ && active_->request.job_id() == req.job_id() && active_->request.generation() == req.generation();
+    if (!runs_it && !req.job_uid().empty()) {
+      aborted_.emplace_back(req.job_id(), req.job_uid(), req.generation());
+      if (aborted_.size() > kMaxAbortedKept) aborted_.pop_front();
+    }
     if (!active_ || active_->request.job_id() != req.job_id()) {
       return absl::NotFoundError(absl::StrCat("this worker does not run job '", req.job_id(), "'"));
     }
@@ -408,7 +454,12 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
     active->metrics.reset();
   };
   if (succeeded) end_rank();
-  if (active->stop && !IsDrained(s)) {  // a drained rank saved its checkpoint and ended on its own
+  // A drained rank saved its checkpoint and ended on its own; a FORWARD
+  // rank that returned OK did its whole pass (its result is whole), the stop
+  // came too late to cut it short. Any other rank that was stopped ended
+  // for the stop (a TRAIN or TENSOR rank returns OK when it stops early).
+  const bool finished_forward = s.ok() && req.spec().kind() == v1::JOB_KIND_FORWARD;
+  if (active->stop && !IsDrained(s) && !finished_forward) {
     std::string reason;
     {
       absl::MutexLock lock(&active->mu);
@@ -467,9 +518,13 @@ absl::Status JobRunner::RunRank(Active& active) {
   const std::string dir = RankDir(req);
   struct Cleanup {
     std::string dir;
+    ModelCache* models = nullptr;  // set once the model is in place
+    const v1::ModelSpec* model = nullptr;
     ~Cleanup() {
       std::error_code ec;
       fs::remove_all(dir, ec);
+      // Its upload was in use until now: the cache's TTL counts from here.
+      if (models != nullptr) models->Used(*model);
     }
   } cleanup{dir};
   {
@@ -490,6 +545,8 @@ absl::Status JobRunner::RunRank(Active& active) {
       return NoLongerRuns(reporter);
     }
     RETURN_IF_ERROR(models_.Materialize(req.spec().model(), dir + "/model", *active.abort, options_.paths));
+    cleanup.models = &models_;
+    cleanup.model = &req.spec().model();
   }
   if (training) {
     ASSIGN_OR_RETURN(train::TrainOptions options,

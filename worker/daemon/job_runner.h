@@ -8,6 +8,7 @@
 #define COLOD_WORKER_DAEMON_JOB_RUNNER_H_
 
 #include <atomic>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -97,10 +98,14 @@ class JobRunner {
   // is lost (Options::on_device_lost). The same assignment again (job, uid,
   // generation and rank: a duplicate delivery) of the rank that runs, or of
   // the one that last ended here, is OK and starts nothing: a rank never
-  // runs twice (its end, reported, says how it ended).
+  // runs twice (its end, reported, says how it ended). ABORTED for a
+  // generation of a job (by id and uid) older than one that runs here or
+  // ran last, or one that was aborted here before its assignment arrived.
   absl::Status Assign(const v1::AssignJobRequest& request);
   // Stops the job's rank: NOT_FOUND unless it runs that job, ABORTED for an
-  // older generation than the one that runs.
+  // older generation than the one that runs. An abort (with a job_uid) of
+  // a generation that does not run here is remembered: its assignment, if
+  // it arrives after the abort, is refused.
   absl::Status Abort(const v1::AbortJobRequest& request);
   // Aborts the running rank (without waiting for it) and refuses later
   // assignments (UNAVAILABLE): a worker that shuts down does this before its
@@ -114,8 +119,9 @@ class JobRunner {
   // have every rank of its job save a checkpoint after the same step and
   // stop (RankHooks::drain; its end is reported drained, this worker
   // leaving). True where such a rank runs: wait for it (WaitIdle), then
-  // Close. False otherwise, and the rank (if any) runs on.
-  bool Drain(const std::string& reason);
+  // Close. False otherwise, and the rank (if any) runs on. `save` false:
+  // only refuses later assignments (a worker with no time to drain).
+  bool Drain(const std::string& reason, bool save = true);
   // IDLE, or BUSY with the job, rank and generation and the rank's
   // collectives per group (its flight recorder's progress); last_error is
   // the error of the last rank that failed.
@@ -174,6 +180,11 @@ class JobRunner {
   // WORK_DIR/JOB-gen-G-rank-R: the rank's scratch directory (its model's
   // config.json and links under model/), removed when it ends.
   std::string RankDir(const v1::AssignJobRequest& req) const;
+  // Why `req` is of a generation of its job (by job id and uid) older than
+  // one this worker runs, ran last, or was told to abort (that one
+  // included); nullopt where it is not, or has no uid.
+  std::optional<std::string> LaterGenerationLocked(const v1::AssignJobRequest& req) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Options::min_free_work_dir_bytes' check (RESOURCE_EXHAUSTED).
   absl::Status CheckWorkDirRoom() const;
   // The dumps WORK_DIR/flight-recorder keeps, the newest (about 0.5 MB each).
@@ -191,6 +202,11 @@ class JobRunner {
   // started again by a repeat of its assignment.
   std::optional<std::tuple<std::string, std::string, int64_t, int>> last_ended_ ABSL_GUARDED_BY(mu_);
   absl::StatusCode last_ended_code_ ABSL_GUARDED_BY(mu_) = absl::StatusCode::kOk;  // its end's
+  // The aborts of generations that did not run here (job, uid, generation),
+  // the newest kMaxAbortedKept: their assignments, arriving after them, are
+  // refused.
+  std::deque<std::tuple<std::string, std::string, int64_t>> aborted_ ABSL_GUARDED_BY(mu_);
+  static constexpr size_t kMaxAbortedKept = 64;
 };
 
 }  // namespace colod

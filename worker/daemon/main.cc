@@ -69,8 +69,8 @@ ABSL_FLAG(double, peak_tflops, 0,
           "status). Default: a GPU's datasheet figures where its name is known (A100, A10, L4, L40(S), "
           "H100, H200, B200), none for a CPU, whose jobs then report no MFU.");
 ABSL_FLAG(absl::Duration, upload_cache_ttl, absl::Hours(1),
-          "Uploaded models this worker downloaded (WORK_DIR/uploads) and no rank used for this long are "
-          "removed before the next download (inf: never).");
+          "Uploaded models this worker downloaded (WORK_DIR/uploads) and no rank used for this long (counted "
+          "from the end of the last rank that used one) are removed before the next download (inf: never).");
 ABSL_FLAG(std::string, min_free_work_dir, "64MiB",
           "A rank that loads a model (TRAIN, FORWARD) is refused while the file system of --work-dir has less "
           "room than this, or no free inode: the coordinator places the job on other workers and tries this one "

@@ -52,7 +52,12 @@ absl::Status ModelCache::Materialize(const v1::ModelSpec& model, const std::stri
   if (ec) return OwnDisk(FileError("cannot create", dir, ec.value()));
   RETURN_IF_ERROR(OwnDisk(WriteFileAtomically(dir + "/config.json", model.config_json())));
   const fs::path weights = fs::absolute(weights_path, ec);
-  if (ec || !fs::exists(weights, ec)) {
+  const bool exists = !ec && fs::exists(weights, ec);
+  // A path this worker may not look into (EACCES) is not a missing one.
+  if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory) {
+    return FileError("spec.model.weights_path: cannot look up", weights_path, ec.value());
+  }
+  if (!exists) {
     return absl::NotFoundError(
         absl::StrCat("spec.model.weights_path: '", weights_path, "' does not exist on this worker"));
   }
@@ -222,6 +227,13 @@ absl::Status ModelCache::DownloadInto(const std::string& upload_id, const std::s
                         absl::StrCat("downloading upload '", upload_id, "': ", s.error_message()));
   }
   return absl::OkStatus();
+}
+
+void ModelCache::Used(const v1::ModelSpec& model) {
+  if (model.upload_id().empty() || !IsPlainFileName(model.upload_id())) return;
+  std::error_code ec;
+  fs::last_write_time(absl::StrCat(options_.work_dir, "/uploads/", model.upload_id()), fs::file_time_type::clock::now(),
+                      ec);  // gone (pruned by hand): nothing to stamp
 }
 
 void ModelCache::Prune(const std::string& keep) {

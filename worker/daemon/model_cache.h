@@ -73,6 +73,10 @@ class ModelCache {
   // deadline (DEADLINE_EXCEEDED after it).
   absl::StatusOr<std::string> Weights(const v1::ModelSpec& model, AbortSignal& abort);
 
+  // Stamps `model`'s upload (where it names one) as used now: a rank calls
+  // it as it ends, so that cache_ttl counts from the end of a long job's
+  // use, not from its start.
+  void Used(const v1::ModelSpec& model);
   // Removes downloaded uploads unused for cache_ttl, except `keep`, and
   // downloads a crash left unfinished (*.tmp). Weights calls it before
   // each download.

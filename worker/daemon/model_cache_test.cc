@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -272,6 +273,55 @@ TEST_F(ModelCacheTest, AnInfiniteTtlKeepsEveryUpload) {
     ASSERT_TRUE(forever.Weights(spec, abort).ok());
     EXPECT_TRUE(fs::exists(uploads / "old")) << absl::FormatDuration(ttl);
   }
+}
+
+// A rank stamps its upload as used when it ends (Used): a job that ran
+// longer than the TTL keeps its upload for the TTL after its end (its
+// restart, or the next job of that model, finds it here), where the stamp
+// of its start alone would have it removed at the next download.
+TEST_F(ModelCacheTest, AnUploadCountsAsUsedUntilItsRankEnds) {
+  const fs::path uploads = fs::path(work_) / "uploads";
+  for (const char* id : {"long", "idle"}) {
+    fs::create_directories(uploads / id);
+    std::ofstream(uploads / id / "model.safetensors") << id;
+  }
+  v1::ModelSpec spec;
+  spec.set_config_json("{}");
+  spec.set_upload_id("long");
+  AbortSignal abort;
+  ASSERT_TRUE(cache_->Weights(spec, abort).ok());  // the rank starts: stamped now
+  // Its job ran three hours (the TTL is one); the other upload was last used as long ago.
+  const auto started = fs::file_time_type::clock::now() - std::chrono::hours(3);
+  fs::last_write_time(uploads / "long", started);
+  fs::last_write_time(uploads / "idle", started);
+  cache_->Used(spec);  // the rank ends
+  v1::ModelSpec next;
+  next.set_config_json("{}");
+  next.set_upload_id("new");
+  ASSERT_TRUE(cache_->Weights(next, abort).ok());
+  EXPECT_TRUE(fs::exists(uploads / "long")) << "removed an hour after its job's start, not its end";
+  EXPECT_FALSE(fs::exists(uploads / "idle"));
+  // An id that is not a plain name stamps nothing outside uploads/.
+  v1::ModelSpec outside;
+  outside.set_upload_id("../x");
+  cache_->Used(outside);
+  EXPECT_FALSE(fs::exists(work_ + "/x"));
+}
+
+// A weights path this worker cannot look up (here a link to itself: ELOOP;
+// EACCES for a worker that is not root) is said as such, not as a path
+// that does not exist.
+TEST_F(ModelCacheTest, AWeightsPathThatCannotBeLookedUpIsNotCalledMissing) {
+  const std::string loop = work_ + "/loop";
+  fs::create_symlink(loop, loop);
+  v1::ModelSpec spec;
+  spec.set_config_json("{}");
+  spec.set_weights_path(loop);
+  AbortSignal abort;
+  const absl::Status s = cache_->Materialize(spec, work_ + "/job/model", abort);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "cannot look up")) << s;
+  EXPECT_FALSE(absl::StrContains(s.message(), "does not exist")) << s;
 }
 
 // A disk too full for a download is RESOURCE_EXHAUSTED, marked as the

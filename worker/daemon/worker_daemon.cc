@@ -391,8 +391,12 @@ void WorkerDaemon::Drain(const std::function<bool()>& interrupted) {
     absl::MutexLock lock(&mu_);
     leaving_ = true;
   }
-  if (!runner_ || options_.drain_timeout <= absl::ZeroDuration() || worker_id().empty()) return;
-  if (!runner_->Drain("the worker is shutting down")) return;
+  if (!runner_) return;
+  // From here on no rank is taken (UNAVAILABLE), whether or not the
+  // running one drains: the coordinator may place one here until Shutdown
+  // deregisters.
+  const bool saves = options_.drain_timeout > absl::ZeroDuration() && !worker_id().empty();
+  if (!runner_->Drain("the worker is shutting down", saves)) return;
   COLOD_LOG(INFO) << "worker shutting down: draining its job (every rank saves a checkpoint after the same step and "
                      "stops) for at most "
                   << absl::FormatDuration(options_.drain_timeout);

@@ -568,6 +568,109 @@ TEST(WorkerDaemon, AClosedRunnerAbortsItsRankAndTakesNoOther) {
   EXPECT_EQ(again.code(), absl::StatusCode::kUnavailable) << again;
 }
 
+// The coordinator sends a stopping placement's aborts while its
+// assignments may still be on their way: an abort that arrives first is
+// remembered (by job id, uid and generation), and the assignment after it
+// refused (ABORTED), not run until its first report. So is an assignment
+// of a generation older than one that runs or ran here; a job without a
+// uid (an older coordinator, whose numbering may start again) is not held
+// to it.
+TEST(WorkerDaemon, AnAssignmentOfAnAbortedOrOlderGenerationIsRefused) {
+  Coordinator::Options o;
+  o.data_dir = testing::TempPath("generations-coordinator");
+  o.store_any_scope = true;  // the test assigns the ranks itself
+  auto coordinator = Coordinator::Start(o);
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status();
+  JobRunner runner(RunnerOptions(**coordinator, "runner-generations"));
+  v1::JobSpec tensor;
+  tensor.set_kind(v1::JOB_KIND_TENSOR);
+  tensor.mutable_shard()->set_tensor_parallel_size(1);
+  tensor.mutable_shard()->set_data_parallel_size(1);
+  const auto generation = [&](int64_t g, const std::string& uid = "00c0ffee") {
+    v1::AssignJobRequest a = RankZero("job-000003", tensor);
+    a.set_generation(g);
+    a.set_job_uid(uid);
+    a.set_rendezvous_scope(absl::StrCat("job-000003/gen-", g));
+    return a;
+  };
+  const auto abort = [&](int64_t g, const std::string& uid = "00c0ffee") {
+    v1::AbortJobRequest a;
+    a.set_job_id("job-000003");
+    a.set_job_uid(uid);
+    a.set_generation(g);
+    return runner.Abort(a);
+  };
+  EXPECT_EQ(abort(1).code(), absl::StatusCode::kNotFound);  // it does not run here (yet)
+  absl::Status s = runner.Assign(generation(1));
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "was told to abort its generation 1 before this assignment arrived")) << s;
+  // The same job id under another uid is another job.
+  ASSERT_TRUE(runner.Assign(generation(1, "0badcafe")).ok());
+  ASSERT_TRUE(abort(1, "0badcafe").ok());
+  ASSERT_TRUE(runner.WaitIdle(absl::Seconds(30)));
+  // The next generation runs; the older one is refused while it runs, and
+  // after it ended.
+  ASSERT_TRUE(runner.Assign(generation(2)).ok());
+  EXPECT_FALSE(runner.WaitIdle(absl::Milliseconds(200)));  // it serves
+  s = runner.Assign(generation(1));
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "this worker runs its generation 2")) << s;
+  EXPECT_TRUE(runner.Assign(generation(2)).ok());  // a duplicate delivery of the running one
+  ASSERT_TRUE(abort(2).ok());
+  ASSERT_TRUE(runner.WaitIdle(absl::Seconds(30)));
+  EXPECT_TRUE(runner.Assign(generation(2)).ok());  // a duplicate of the one that ended: nothing starts
+  EXPECT_TRUE(runner.WaitIdle(absl::Milliseconds(1)));
+  s = runner.Assign(generation(1));
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "this worker ran its generation 2")) << s;
+  // Without a uid, neither the abort nor the generations hold.
+  EXPECT_EQ(abort(5, "").code(), absl::StatusCode::kNotFound);
+  v1::AssignJobRequest keyless = generation(1, "");
+  ASSERT_TRUE(runner.Assign(keyless).ok());
+  EXPECT_FALSE(runner.WaitIdle(absl::Milliseconds(200)));
+  runner.Close("");
+  ASSERT_TRUE(runner.WaitIdle(absl::Seconds(30)));
+}
+
+// A worker whose drain has no time (--drain-timeout 0) still takes no rank
+// once it begins to shut down: the coordinator's assignment until Shutdown
+// deregisters it is refused as the worker's own state, not run.
+TEST(WorkerDaemon, AWorkerThatShutsDownWithoutADrainTakesNoRank) {
+  auto coordinator = StartCoordinator("127.0.0.1:0", "c-no-drain");
+  ASSERT_NE(coordinator, nullptr);
+  WorkerDaemon::Options o = FastRetryOptions(coordinator->address());
+  o.drain_timeout = absl::ZeroDuration();
+  auto worker = WorkerDaemon::Start(o);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  ASSERT_TRUE((*worker)->WaitRegistered(absl::Seconds(20)));
+  (*worker)->Drain();
+  auto client = CoordinatorClient::Create(coordinator->address());
+  ASSERT_TRUE(client.ok()) << client.status();
+  v1::JobSpec tensor;
+  tensor.set_kind(v1::JOB_KIND_TENSOR);
+  tensor.mutable_shard()->set_tensor_parallel_size(1);
+  tensor.mutable_shard()->set_data_parallel_size(1);
+  auto job = (*client)->SubmitJob(tensor);
+  ASSERT_TRUE(job.ok()) << job.status();
+  // The job goes back to PENDING for the refusal (and waits out the
+  // worker's cool-off); it never ran.
+  std::string refusal;
+  bool ran = false;
+  const absl::Status watched = (*client)->WatchJob(job->job_id(), 1, absl::Seconds(30), [&](const v1::JobEvent& e) {
+    if (!e.has_state_change()) return true;
+    ran |= e.state_change().state() == v1::JOB_STATE_RUNNING;
+    if (absl::StrContains(e.state_change().reason(), "refused the assignment")) refusal = e.state_change().reason();
+    return refusal.empty();
+  });
+  EXPECT_EQ(watched.code(), absl::StatusCode::kCancelled) << watched;
+  EXPECT_TRUE(absl::StrContains(refusal, "UNAVAILABLE: this worker takes no rank: the worker is shutting down"))
+      << refusal;
+  EXPECT_FALSE(ran);
+  const std::vector<v1::Worker> listed = coordinator->workers().List(false);
+  ASSERT_EQ(listed.size(), 1u);
+  EXPECT_EQ(listed[0].status().state(), v1::WORKER_STATE_IDLE);
+}
+
 // A TENSOR job's rank whose group broke (here its peer went away in a
 // gather) ends with the group's error, so that the job fails (and its
 // restart policy may start it again), rather than serving a group whose
