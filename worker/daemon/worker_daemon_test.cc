@@ -327,6 +327,15 @@ v1::AssignJobRequest RankZero(const std::string& job_id, const v1::JobSpec& spec
   return assign;
 }
 
+// A TENSOR job's spec at tp `tp`, dp 1.
+v1::JobSpec TensorSpec(int tp) {
+  v1::JobSpec tensor;
+  tensor.set_kind(v1::JOB_KIND_TENSOR);
+  tensor.mutable_shard()->set_tensor_parallel_size(tp);
+  tensor.mutable_shard()->set_data_parallel_size(1);
+  return tensor;
+}
+
 // A JobRunner's options against `coordinator`, working in TEST_TMPDIR/`name`.
 JobRunner::Options RunnerOptions(const Coordinator& coordinator, const std::string& name) {
   JobRunner::Options ro;
@@ -552,10 +561,7 @@ TEST(WorkerDaemon, AClosedRunnerAbortsItsRankAndTakesNoOther) {
   auto coordinator = Coordinator::Start(o);
   ASSERT_TRUE(coordinator.ok()) << coordinator.status();
   JobRunner runner(RunnerOptions(**coordinator, "runner-close"));
-  v1::JobSpec tensor;
-  tensor.set_kind(v1::JOB_KIND_TENSOR);
-  tensor.mutable_shard()->set_tensor_parallel_size(1);
-  tensor.mutable_shard()->set_data_parallel_size(1);
+  const v1::JobSpec tensor = TensorSpec(1);
   ASSERT_TRUE(runner.Assign(RankZero("job-000001", tensor)).ok());
   EXPECT_FALSE(runner.WaitIdle(absl::Milliseconds(500)));  // it serves
   const absl::Time start = absl::Now();
@@ -576,16 +582,10 @@ TEST(WorkerDaemon, AClosedRunnerAbortsItsRankAndTakesNoOther) {
 // uid (an older coordinator, whose numbering may start again) is not held
 // to it.
 TEST(WorkerDaemon, AnAssignmentOfAnAbortedOrOlderGenerationIsRefused) {
-  Coordinator::Options o;
-  o.data_dir = testing::TempPath("generations-coordinator");
-  o.store_any_scope = true;  // the test assigns the ranks itself
-  auto coordinator = Coordinator::Start(o);
-  ASSERT_TRUE(coordinator.ok()) << coordinator.status();
-  JobRunner runner(RunnerOptions(**coordinator, "runner-generations"));
-  v1::JobSpec tensor;
-  tensor.set_kind(v1::JOB_KIND_TENSOR);
-  tensor.mutable_shard()->set_tensor_parallel_size(1);
-  tensor.mutable_shard()->set_data_parallel_size(1);
+  auto coordinator = StartCoordinator("127.0.0.1:0", "generations-coordinator");
+  ASSERT_NE(coordinator, nullptr);
+  JobRunner runner(RunnerOptions(*coordinator, "runner-generations"));
+  const v1::JobSpec tensor = TensorSpec(1);
   const auto generation = [&](int64_t g, const std::string& uid = "00c0ffee") {
     v1::AssignJobRequest a = RankZero("job-000003", tensor);
     a.set_generation(g);
@@ -646,10 +646,7 @@ TEST(WorkerDaemon, AWorkerThatShutsDownWithoutADrainTakesNoRank) {
   (*worker)->Drain();
   auto client = CoordinatorClient::Create(coordinator->address());
   ASSERT_TRUE(client.ok()) << client.status();
-  v1::JobSpec tensor;
-  tensor.set_kind(v1::JOB_KIND_TENSOR);
-  tensor.mutable_shard()->set_tensor_parallel_size(1);
-  tensor.mutable_shard()->set_data_parallel_size(1);
+  const v1::JobSpec tensor = TensorSpec(1);
   auto job = (*client)->SubmitJob(tensor);
   ASSERT_TRUE(job.ok()) << job.status();
   // The job goes back to PENDING for the refusal (and waits out the
@@ -678,10 +675,7 @@ TEST(WorkerDaemon, AWorkerThatShutsDownWithoutADrainTakesNoRank) {
 TEST(WorkerDaemon, ATensorRankWhoseGroupBrokeFailsInsteadOfServing) {
   auto coordinator = StartCoordinator("127.0.0.1:0", "c-tensor-broken");
   ASSERT_NE(coordinator, nullptr);
-  v1::JobSpec tensor;
-  tensor.set_kind(v1::JOB_KIND_TENSOR);
-  tensor.mutable_shard()->set_tensor_parallel_size(2);
-  tensor.mutable_shard()->set_data_parallel_size(1);
+  const v1::JobSpec tensor = TensorSpec(2);
   std::vector<std::unique_ptr<JobRunner>> runners;
   for (int rank = 0; rank < 2; ++rank) {
     JobRunner::Options ro = RunnerOptions(*coordinator, absl::StrCat("runner-tensor-broken-", rank));
