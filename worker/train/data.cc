@@ -403,7 +403,31 @@ std::optional<int64_t> MulAdd(int64_t a, int64_t b, int64_t c) {
 
 absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string& path, DataFormat format,
                                                                const Tokenizer* tokenizer,
-                                                               const std::function<bool()>& stopped) {
+                                                               const std::function<bool()>& stopped,
+                                                               int64_t vocab_size) {
+  if (vocab_size < 0) return absl::InvalidArgumentError(absl::StrCat("a vocabulary of ", vocab_size, " ids"));
+  ASSIGN_OR_RETURN(std::unique_ptr<TokenCorpus> c, OpenAnyIds(path, format, tokenizer, stopped));
+  c->vocab_size_ = vocab_size;
+  if (vocab_size == 0 || c->bin_.has_value()) return c;  // a file's tokens are checked as Read reads them
+  // The tokens in memory (.npy, text), all of them now: a bad id is found
+  // before the job starts, not at the step that first draws it.
+  for (size_t i = 0; i < c->owned_.size(); ++i) {
+    if (c->owned_[i] < 0 || c->owned_[i] >= vocab_size) {
+      return c->OutsideTheVocabulary(path, static_cast<int64_t>(i), c->owned_[i]);
+    }
+  }
+  return c;
+}
+
+absl::Status TokenCorpus::OutsideTheVocabulary(const std::string& path, int64_t at, int64_t id) const {
+  return absl::InvalidArgumentError(absl::StrCat(path, ": token ", at, " of the corpus is id ", id,
+                                                 ", outside the model's vocabulary [0, ", vocab_size_,
+                                                 ") (config.json's vocab_size)"));
+}
+
+absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::OpenAnyIds(const std::string& path, DataFormat format,
+                                                                     const Tokenizer* tokenizer,
+                                                                     const std::function<bool()>& stopped) {
   format = ResolveDataFormat(path, format);
   const std::string prefix = MegatronPrefix(path);
   std::unique_ptr<TokenCorpus> c(new TokenCorpus());
@@ -512,6 +536,9 @@ absl::Status TokenCorpus::Read(int64_t start, int64_t n, int64_t* out) const {
   for (int64_t i = 0; i < n; ++i) {
     const unsigned char* p = bytes.data() + i * width_;
     out[i] = signed_ ? LoadLittleEndianSigned(p, width_) : static_cast<int64_t>(LoadLittleEndian(p, width_));
+    if (vocab_size_ > 0 && (out[i] < 0 || out[i] >= vocab_size_)) {
+      return OutsideTheVocabulary(bin_->path(), start + i, out[i]);
+    }
   }
   return absl::OkStatus();
 }

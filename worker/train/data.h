@@ -104,11 +104,16 @@ class TokenCorpus {
   // use), a jsonl line that is not an object with a string "text" (naming
   // the line), text with no document, or text the tokenizer refuses.
   // `stopped` (may be empty) is polled between text documents: true ends
-  // the read, CANCELLED.
+  // the read, CANCELLED. A `vocab_size` above 0 is the model's: a token
+  // outside [0, vocab_size) is INVALID_ARGUMENT naming the file, its
+  // offset in the corpus and its id; tokens held in memory (.npy, text,
+  // jsonl) are checked here, all of them, and a file's (.bin, Megatron) as
+  // Read reads them (a full scan at open would read the whole file).
   static absl::StatusOr<std::unique_ptr<TokenCorpus>> Open(const std::string& path,
                                                            DataFormat format = DataFormat::kAuto,
                                                            const Tokenizer* tokenizer = nullptr,
-                                                           const std::function<bool()>& stopped = {});
+                                                           const std::function<bool()>& stopped = {},
+                                                           int64_t vocab_size = 0);
   TokenCorpus(const TokenCorpus&) = delete;
   TokenCorpus& operator=(const TokenCorpus&) = delete;
 
@@ -116,7 +121,8 @@ class TokenCorpus {
   // Tokens [start, start + n) into out[0, n): OUT_OF_RANGE past the corpus;
   // for a .bin, DATA_LOSS where the file is shorter than it was at Open
   // (changed while in use) and UNAVAILABLE for a read error of the moment
-  // (EIO, ESTALE), naming the file.
+  // (EIO, ESTALE), naming the file; INVALID_ARGUMENT for a token outside
+  // Open's vocab_size.
   absl::Status Read(int64_t start, int64_t n, int64_t* out) const;
   DataFormat format() const { return format_; }
   // Tokens [start, start + length) as int64 [length].
@@ -129,6 +135,12 @@ class TokenCorpus {
 
  private:
   TokenCorpus() = default;
+  // Open without the vocabulary's check.
+  static absl::StatusOr<std::unique_ptr<TokenCorpus>> OpenAnyIds(const std::string& path, DataFormat format,
+                                                                 const Tokenizer* tokenizer,
+                                                                 const std::function<bool()>& stopped);
+  // INVALID_ARGUMENT: token `at` of the corpus, `id`, is outside vocab_size_.
+  absl::Status OutsideTheVocabulary(const std::string& path, int64_t at, int64_t id) const;
   // Opens the .bin `path` holding `tokens` tokens from byte `offset`.
   absl::Status OpenTokens(const std::string& path, int64_t offset, int64_t tokens);
   DataFormat format_ = DataFormat::kText;
@@ -137,6 +149,7 @@ class TokenCorpus {
   int64_t file_offset_ = 0;  // bytes before the first token
   int width_ = 2;            // bytes per token in the file
   bool signed_ = false;      // the file's tokens are two's complement
+  int64_t vocab_size_ = 0;   // Open's: each token is below it (0: unchecked)
   // Appends a document's tokens and where it starts.
   void AddDocument(std::vector<int64_t> ids);
   std::vector<int64_t> owned_;  // .npy and text

@@ -56,6 +56,64 @@ TEST(TokenCorpus, EveryFormat) {
   EXPECT_EQ((*d)->Window(2, 5).status().code(), absl::StatusCode::kOutOfRange);
 }
 
+// Opened with the model's vocab_size, a corpus refuses ids outside it,
+// naming the file, the token's offset in the corpus and its id: the tokens
+// held in memory (.npy, text) at once, all of them; a file's (.bin,
+// Megatron) as they are read, so that a batch never carries one into the
+// embedding (where it would be a bare "id at position" of a step).
+TEST(TokenCorpus, AnIdOutsideTheModelsVocabularyIsRefusedNamingWhereItIs) {
+  ASSERT_TRUE(
+      WriteNpy(TempPath("oov.npy"), *Tensor::FromInt64s({2, 3}, std::vector<int64_t>{1, 2, 3, 4, 50257, 6})).ok());
+  EXPECT_TRUE(TokenCorpus::Open(TempPath("oov.npy"), DataFormat::kAuto, nullptr, {}, 50258).ok());
+  absl::Status s = TokenCorpus::Open(TempPath("oov.npy"), DataFormat::kAuto, nullptr, {}, 50257).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(),
+                                "oov.npy: token 4 of the corpus is id 50257, outside the model's "
+                                "vocabulary [0, 50257) (config.json's vocab_size)"))
+      << s;
+  ASSERT_TRUE(WriteNpy(TempPath("negative.npy"), *Tensor::FromInt64s({2}, std::vector<int64_t>{7, -1})).ok());
+  s = TokenCorpus::Open(TempPath("negative.npy"), DataFormat::kAuto, nullptr, {}, 50257).status();
+  EXPECT_TRUE(absl::StrContains(s.message(), "token 1 of the corpus is id -1")) << s;
+  // Without a vocabulary (0) nothing is checked; a negative one is refused.
+  EXPECT_TRUE(TokenCorpus::Open(TempPath("oov.npy")).ok());
+  EXPECT_EQ(TokenCorpus::Open(TempPath("oov.npy"), DataFormat::kAuto, nullptr, {}, -1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+
+  // A uint16 .bin with 60000 at token 5: the reads before it are whole,
+  // the one over it is refused, naming it.
+  const std::string bin = TempPath("oov.bin");
+  {
+    std::string bytes;
+    for (const uint64_t id : {1, 2, 3, 4, 5, 60000, 7, 8}) bytes += testing::LittleEndian(id, 2);
+    std::ofstream(bin, std::ios::binary) << bytes;
+  }
+  auto corpus = TokenCorpus::Open(bin, DataFormat::kAuto, nullptr, {}, 50257);
+  ASSERT_TRUE(corpus.ok()) << corpus.status();
+  EXPECT_EQ((*corpus)->Window(0, 5)->ToInt64s(), (std::vector<int64_t>{1, 2, 3, 4, 5}));
+  s = (*corpus)->Window(3, 4).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "oov.bin: token 5 of the corpus is id 60000, outside")) << s;
+  // The sampler's batches read through it: a batch over the token fails.
+  auto sampler = BatchSampler::Create((*corpus)->size(), 7, 1, 1, 0);
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
+  Tensor inputs, labels;
+  s = sampler->Batch(**corpus, 0, 0, &inputs, &labels);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+
+  // Megatron's int32 tokens: a negative id.
+  testing::MegatronDataset m;
+  m.code = 4;
+  m.width = 4;
+  m.sequences = {{1, 2}, {3, -4}};
+  m.doc_bounds = {0, 1, 2};
+  testing::WriteMegatronDataset(TempPath("oov_megatron"), m);
+  auto megatron = TokenCorpus::Open(TempPath("oov_megatron"), DataFormat::kAuto, nullptr, {}, 100);
+  ASSERT_TRUE(megatron.ok()) << megatron.status();
+  EXPECT_TRUE((*megatron)->Window(0, 3).ok());
+  s = (*megatron)->Window(0, 4).status();
+  EXPECT_TRUE(absl::StrContains(s.message(), "oov_megatron.bin: token 3 of the corpus is id -4")) << s;
+}
+
 using Megatron = testing::MegatronDataset;
 using testing::WriteMegatronDataset;
 

@@ -210,7 +210,7 @@ absl::StatusOr<Source> OpenSource(const ModelConfig& config, const std::string& 
     ASSIGN_OR_RETURN(s.pairs, Seq2SeqDataset::Open(data, labels, config.vocab_size, config.decoder_start_token_id,
                                                    config.pad_token_id));
   } else {
-    ASSIGN_OR_RETURN(s.corpus, TokenCorpus::Open(data, format, tokenizer, stopped));
+    ASSIGN_OR_RETURN(s.corpus, TokenCorpus::Open(data, format, tokenizer, stopped, config.vocab_size));
   }
   return s;
 }

@@ -700,6 +700,36 @@ TEST(Trainer, AMegatronDatasetTrainsAsTheSameTokensDo) {
   for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(got[i].loss, want[i].loss) << "step " << i + 1;
 }
 
+// A corpus holding an id outside the model's vocabulary: a .npy (held in
+// memory) is refused before the first step; a .bin (read as batches need
+// it) at the step that first draws the id, either way naming the file, the
+// token's place and its id, not a bare "id at position" of the embedding.
+TEST(Trainer, DataOutsideTheModelsVocabularyIsRefusedNamingTheToken) {
+  const std::string model = TinyModel("train_oov");
+  TrainOptions o = Options(model, 1, 1);
+  o.steps = 3;
+  std::vector<int64_t> ids(4096);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(i % 200);
+  ids[1000] = 300;  // the tiny model's vocabulary is 257 ids
+  ASSERT_TRUE(WriteNpy(TempPath("oov_corpus.npy"), *Tensor::FromInt64s({4096}, ids)).ok());
+  int steps = 0;
+  o.data_path = TempPath("oov_corpus.npy");
+  absl::Status s = Train(o, [&](const StepStats&) { ++steps; });
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "token 1000 of the corpus is id 300, outside the model's vocabulary"))
+      << s;
+  EXPECT_EQ(steps, 0);
+  std::string bin;
+  for (const int64_t id : ids) bin += testing::LittleEndian(static_cast<uint64_t>(id), 2);
+  std::ofstream(TempPath("oov_corpus.bin"), std::ios::binary) << bin;
+  o.data_path = TempPath("oov_corpus.bin");
+  o.steps = 200;  // 200 steps of 8 x 32 tokens draw token 1000 (at random) long before the end
+  s = Train(o, [&](const StepStats&) { ++steps; });
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "oov_corpus.bin: token 1000 of the corpus is id 300")) << s;
+  EXPECT_LT(steps, 200);
+}
+
 // Text trains with the model directory's own tokenizer: the run on the
 // GPL's text gives, bitwise, the losses of a run on a Megatron dataset of
 // the same paragraphs encoded by that tokenizer, for a byte-level BPE
