@@ -215,6 +215,30 @@ absl::StatusOr<CheckpointIndex> ParseCheckpointIndex(absl::string_view text, abs
     return r.Error(absl::StrCat("world_size ", world, " is outside [1, ", kMaxWorldSize, "]"));
   }
   index.world_size = static_cast<int>(world);
+  if (j.contains("mesh")) {
+    ASSIGN_OR_RETURN(const Json* mesh, r.Field(j, "mesh", "the index"));
+    if (!mesh->is_array() || mesh->size() > static_cast<size_t>(kernels::kMaxDims)) {
+      return r.Error(absl::StrCat("mesh is not a list of at most ", kernels::kMaxDims, " axes"));
+    }
+    int64_t ranks = 1;
+    for (const Json& a : *mesh) {
+      ASSIGN_OR_RETURN(std::string name, r.String(a, "name", "a mesh axis"));
+      if (!PlainTensorName(name) || name.size() > 64) {
+        return r.Error(absl::StrCat("mesh axis '", EscapedPrefix(name, 64), "' is not a name"));
+      }
+      ASSIGN_OR_RETURN(const int64_t size, r.Int(a, "size", "a mesh axis"));
+      if (size < 1 || size > world) {
+        return r.Error(absl::StrCat("mesh axis '", name, "' has size ", size, ", outside [1, ", world, "]"));
+      }
+      ranks *= size;  // <= kMaxWorldSize before each step: no overflow
+      if (ranks > world) break;
+      index.mesh.emplace_back(std::move(name), static_cast<int>(size));
+    }
+    if (ranks != world) {
+      return r.Error(absl::StrCat("the mesh's axes make ", ranks > world ? "more than " : "", ranks,
+                                  " ranks, not world_size ", world));
+    }
+  }
   if (j.contains("model_type")) {
     ASSIGN_OR_RETURN(index.model_type, r.String(j, "model_type", "the index"));
   }

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -48,12 +49,17 @@ struct CheckpointTensor {
 
 struct CheckpointIndex {
   int world_size = 0;
+  // The mesh it was written at, its axes (name, size) in order; empty in an
+  // index from before the field (2026-11).
+  std::vector<std::pair<std::string, int>> mesh;
   std::string model_type;
   std::map<std::string, CheckpointTensor> tensors;  // by parameter name
 };
 
 // Parses colod_checkpoint.json. INVALID_ARGUMENT, prefixed with `where`,
 // unless: the format is kCheckpointFormat; world_size is in [1, kMaxWorldSize];
+// the mesh, where there is one, is at most kernels::kMaxDims axes of a
+// plain name and a size of at least 1 whose product is world_size;
 // every shape has at most kernels::kMaxDims non-negative dims whose bytes
 // fit int64; every block has one start and length per dim, lies inside the
 // global shape and names a plain file; the blocks of a parameter hold as

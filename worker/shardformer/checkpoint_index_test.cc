@@ -1,8 +1,11 @@
 #include "worker/shardformer/checkpoint_index.h"
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/types.h"
 #include "nlohmann/json.hpp"
 
 namespace colod::shardformer {
@@ -48,6 +51,36 @@ TEST(ParseCheckpointIndex, ReadsWhatSaveWrites) {
   EXPECT_EQ(t.blocks[1].file, "rank-00001-of-00002.safetensors");
   EXPECT_EQ(t.blocks[1].starts, (std::vector<int64_t>{4, 0}));
   EXPECT_EQ(t.blocks[1].lengths, (std::vector<int64_t>{4, 4}));
+}
+
+// The mesh the checkpoint was written at: its axes in order, which must
+// make world_size ranks; an index from before the field has none.
+TEST(ParseCheckpointIndex, TheMeshIsAxesThatMakeTheWorld) {
+  Json j = Good();
+  j["mesh"] = Json::parse(R"([{"name": "dp", "size": 1}, {"name": "tp", "size": 2}])");
+  auto r = ParseCheckpointIndex(j.dump(), "x");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->mesh, (std::vector<std::pair<std::string, int>>{{"dp", 1}, {"tp", 2}}));
+  EXPECT_TRUE(ParseCheckpointIndex(Good().dump(), "x")->mesh.empty());
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {R"([{"name": "tp", "size": 4}])", "has size 4, outside [1, 2]"},
+      {R"([{"name": "tp", "size": 1}])", "the mesh's axes make 1 ranks, not world_size 2"},
+      {R"([{"name": "tp", "size": 2}, {"name": "dp", "size": 2}])", "make more than 4 ranks"},
+      {R"([{"name": "tp", "size": 0}])", "has size 0"},
+      {R"([{"name": "", "size": 2}])", "is not a name"},
+      {R"([{"name": 3, "size": 2}])", "a mesh axis.name is not a string"},
+      {R"([{"name": "tp", "size": "2"}])", "a mesh axis.size is not an integer"},
+      {R"([{"name": "tp", "size": 18446744073709551615}])", "a mesh axis.size is out of range"},
+      {R"([["tp", 2]])", "a mesh axis has no name"},
+      {R"({"tp": 2})", "mesh is not a list"},
+  };
+  for (const auto& [mesh, says] : bad) {
+    j["mesh"] = Json::parse(mesh);
+    ExpectRefused(j, says);
+  }
+  j["mesh"] = Json::array({{{"name", "tp"}, {"size", 2}}});
+  for (int i = 0; i < kernels::kMaxDims; ++i) j["mesh"].push_back({{"name", "a" + std::to_string(i)}, {"size", 1}});
+  ExpectRefused(j, "mesh is not a list of at most 16 axes");
 }
 
 TEST(ParseCheckpointIndex, FilesOutsideTheDirectoryAreRefused) {

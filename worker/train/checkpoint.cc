@@ -1034,19 +1034,9 @@ absl::Status ConsolidateTrainingCheckpoint(const std::string& dir, const std::st
   // The mesh it was written at (the index's), to find each block's rank's
   // dp peers: the ranks whose other coordinates are its own, which hold
   // the pieces of its master weights under ZeRO.
-  ASSIGN_OR_RETURN(const Json index, ReadJson(absl::StrCat(dir, "/", shardformer::kCheckpointIndex)));
+  ASSIGN_OR_RETURN(const shardformer::CheckpointIndex index, shardformer::ReadCheckpointIndex(dir));
   std::vector<MeshAxis> axes;
-  if (index.contains("mesh") && index["mesh"].is_array()) {
-    for (const Json& a : index["mesh"]) {
-      if (!a.is_object() || !a.contains("name") || !a["name"].is_string() || !a.contains("size") ||
-          !a["size"].is_number_integer() || a["size"].get<int64_t>() < 1 || a["size"].get<int64_t>() > kMaxWorldSize) {
-        return absl::InvalidArgumentError(absl::StrCat(dir, "/", shardformer::kCheckpointIndex,
-                                                       ": a mesh axis is not "
-                                                       "a name and a size"));
-      }
-      axes.push_back(MeshAxis{a["name"].get<std::string>(), static_cast<int>(a["size"].get<int64_t>())});
-    }
-  }
+  for (const auto& [name, size] : index.mesh) axes.push_back(MeshAxis{name, size});
   absl::StatusOr<DeviceMesh> mesh = DeviceMesh::Create(axes);
   if (!mesh.ok()) {
     return absl::InvalidArgumentError(
