@@ -17,6 +17,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/atomic_file.h"
 #include "common/host_memory.h"
@@ -372,6 +373,43 @@ absl::Status ForEachTextDocument(const std::string& path, DataFormat format, boo
     }
     return fn(it->get_ref<const std::string&>(), where);
   });
+}
+
+absl::StatusOr<NpyFootprint> NpyFootprintOf(const std::string& path) {
+  ASSIGN_OR_RETURN(const int64_t bytes, RegularFileSize(path));
+  NpyFootprint f;
+  f.path = path;
+  ASSIGN_OR_RETURN(f.info, ReadNpyInfo(path));
+  f.read = NpyReadPeakBytes(f.info, bytes);
+  // (A file shorter than its header says is refused by ReadNpy.)
+  f.elements = f.info.element_bytes > 0 ? std::min(f.info.elements, bytes / f.info.element_bytes) : 0;
+  f.tensor = CheckedMul(f.elements, f.info.tensor_element_bytes);
+  return f;
+}
+
+std::optional<int64_t> NpyFootprint::TensorAndInt64s() const {
+  const std::optional<int64_t> copies = CheckedMul(elements, 16);  // a widened copy (not for i64) and the vector
+  return tensor.has_value() && copies.has_value() ? CheckedAdd(*tensor, *copies) : std::nullopt;
+}
+
+std::optional<int64_t> MaxBytes(std::optional<int64_t> a, std::optional<int64_t> b) {
+  return a.has_value() && b.has_value() ? std::optional<int64_t>(std::max(*a, *b)) : std::nullopt;
+}
+
+std::optional<int64_t> SumBytes(std::optional<int64_t> a, std::optional<int64_t> b) {
+  return a.has_value() && b.has_value() ? CheckedAdd(*a, *b) : std::nullopt;
+}
+
+absl::Status ArraysFitInMemory(const std::vector<std::string>& files, std::optional<int64_t> need) {
+  const int64_t available = AvailableHostMemoryBytes();
+  if (need.has_value() && *need <= available) return absl::OkStatus();
+  constexpr double kGiB = 1 << 30;
+  return absl::ResourceExhaustedError(absl::StrFormat(
+      "%s would take %s of memory while read, and %.1f GiB is available: use fewer or smaller examples, or a "
+      "worker with more memory",
+      absl::StrJoin(files, " and "),
+      need.has_value() ? absl::StrFormat("about %.1f GiB", *need / kGiB) : std::string("more than 8 EiB"),
+      available / kGiB));
 }
 
 namespace {

@@ -56,6 +56,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/atomic_file.h"
+#include "worker/tensor/npy.h"
 #include "worker/tensor/tensor.h"
 #include "worker/train/tokenizer.h"
 
@@ -93,6 +94,30 @@ std::vector<std::string> DataFiles(const std::string& path);
 absl::Status ForEachTextDocument(const std::string& path, DataFormat format, bool paragraphs,
                                  const std::function<absl::Status(absl::string_view doc, const std::string& where)>& fn,
                                  int64_t max_bytes = std::numeric_limits<int64_t>::max());
+
+// A .npy array a dataset reads whole into memory, sized from its header
+// before it is read: what ReadNpy holds at its peak (`read`), the tensor it
+// returns (`tensor`), and its elements, each nullopt past int64.
+struct NpyFootprint {
+  std::string path;
+  NpyInfo info;
+  std::optional<int64_t> read, tensor;
+  int64_t elements = 0;
+  // The tensor and its values as int64 (Tensor::ReadInt64s: a widened copy
+  // and the vector), held together.
+  std::optional<int64_t> TensorAndInt64s() const;
+};
+absl::StatusOr<NpyFootprint> NpyFootprintOf(const std::string& path);
+// OK where `need` bytes (nullopt: past int64), the most a dataset's reading
+// of `files` holds at once, fit in the memory available now; else
+// RESOURCE_EXHAUSTED naming the files and both sizes, before anything is
+// read (a worker that ran out would be killed mid-job, and every rank on
+// it with it).
+absl::Status ArraysFitInMemory(const std::vector<std::string>& files, std::optional<int64_t> need);
+// The larger of two sizes, and their sum: nullopt where either is (past
+// int64), or the sum is.
+std::optional<int64_t> MaxBytes(std::optional<int64_t> a, std::optional<int64_t> b);
+std::optional<int64_t> SumBytes(std::optional<int64_t> a, std::optional<int64_t> b);
 
 class TokenCorpus {
  public:

@@ -1,15 +1,27 @@
 #include "worker/train/image_data.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/int_math.h"
 #include "common/status_macros.h"
 #include "worker/tensor/dtype.h"
 #include "worker/tensor/npy.h"
+#include "worker/train/data.h"
 
 namespace colod::train {
 
 absl::StatusOr<std::unique_ptr<ImageDataset>> ImageDataset::Open(const std::string& images_path,
                                                                  const std::string& labels_path, int64_t channels,
                                                                  int64_t image_size, int64_t num_labels) {
+  // At the peak: the images as read, then as f32 where they are not
+  // (f16), with the labels' tensor and their int64 values; or ReadNpy's
+  // buffers of either file.
+  ASSIGN_OR_RETURN(const NpyFootprint pixels, NpyFootprintOf(images_path));
+  ASSIGN_OR_RETURN(const NpyFootprint targets, NpyFootprintOf(labels_path));
+  const bool f32 = !pixels.info.integer && pixels.info.tensor_element_bytes == 4;
+  const std::optional<int64_t> as_f32 = f32 ? std::optional<int64_t>(0) : CheckedMul(pixels.elements, 4);
+  RETURN_IF_ERROR(ArraysFitInMemory({images_path, labels_path},
+                                    MaxBytes(MaxBytes(pixels.read, SumBytes(pixels.tensor, targets.read)),
+                                             SumBytes(SumBytes(pixels.tensor, as_f32), targets.TensorAndInt64s()))));
   ASSIGN_OR_RETURN(Tensor images, ReadNpy(images_path));
   if (images.dim() != 4 || !IsFloat(images.dtype()) || images.shape()[1] != channels ||
       images.shape()[2] != image_size || images.shape()[3] != image_size || images.shape()[0] < 1) {

@@ -6,7 +6,11 @@
 #include <limits>
 #include <set>
 
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "common/host_memory.h"
 #include "gtest/gtest.h"
+#include "tests/testing/sparse_npy.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/tensor/npy.h"
 #include "worker/train/data.h"
@@ -75,6 +79,24 @@ TEST(ImageDataset, RefusesWhatTheModelCannotRead) {
   }
   EXPECT_EQ(ImageDataset::Open(TempPath("none.npy"), TempPath("none.npy"), 2, 4, 4).status().code(),
             absl::StatusCode::kNotFound);
+}
+
+// Images that would not fit in the memory available as f32 are refused
+// from their headers, before they are read: here f16 images whose file
+// ReadNpy alone could hold (4 bytes a pixel, with its tensor) but not
+// their f32 copy beside the f16 tensor (6).
+TEST(ImageDataset, ImagesThatWouldNotFitInMemoryAreRefusedBeforeTheyAreRead) {
+  const int64_t images = static_cast<int64_t>(AvailableHostMemoryBytes() / 4.5 / (3 * 32 * 32)) + 1;
+  const std::string pixels = TempPath("huge_images.npy"), labels = TempPath("huge_labels.npy");
+  testing::WriteSparseNpy(pixels, "<f2", {images, 3, 32, 32}, 2);
+  testing::WriteSparseNpy(labels, "<i8", {images}, 8);
+  const absl::Time start = absl::Now();
+  const absl::Status s = ImageDataset::Open(pixels, labels, 3, 32, 10).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), pixels + " and " + labels + " would take about")) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "read before it was refused?";
+  ::unlink(pixels.c_str());
+  ::unlink(labels.c_str());
 }
 
 TEST(BatchSampler, ExamplesAreDrawnFromEveryIndexAndSplitOverDp) {

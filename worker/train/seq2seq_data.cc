@@ -1,8 +1,10 @@
 #include "worker/train/seq2seq_data.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/int_math.h"
 #include "common/status_macros.h"
 #include "worker/tensor/npy.h"
+#include "worker/train/data.h"
 
 namespace colod::train {
 namespace {
@@ -45,6 +47,14 @@ absl::StatusOr<Tensor> ShiftRight(const Tensor& targets, int64_t decoder_start, 
 absl::StatusOr<std::unique_ptr<Seq2SeqDataset>> Seq2SeqDataset::Open(const std::string& inputs_path,
                                                                      const std::string& targets_path, int64_t vocab,
                                                                      int64_t decoder_start, int64_t pad) {
+  // Both are held as int64 values: at its peak, reading one holds ReadNpy's
+  // buffers or its tensor and their int64 copies, the targets' reading the
+  // inputs' values too.
+  ASSIGN_OR_RETURN(const NpyFootprint in, NpyFootprintOf(inputs_path));
+  ASSIGN_OR_RETURN(const NpyFootprint out, NpyFootprintOf(targets_path));
+  const auto reading = [](const NpyFootprint& f) { return MaxBytes(f.read, f.TensorAndInt64s()); };
+  RETURN_IF_ERROR(ArraysFitInMemory({inputs_path, targets_path},
+                                    MaxBytes(reading(in), SumBytes(CheckedMul(in.elements, 8), reading(out)))));
   std::unique_ptr<Seq2SeqDataset> d(new Seq2SeqDataset());
   ASSIGN_OR_RETURN(d->inputs_, ReadIds(inputs_path, "inputs", -1, &d->input_len_));
   d->size_ = static_cast<int64_t>(d->inputs_.size()) / d->input_len_;

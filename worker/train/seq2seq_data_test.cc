@@ -3,7 +3,11 @@
 // is refused (naming the file and the pair).
 #include "worker/train/seq2seq_data.h"
 
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "common/host_memory.h"
 #include "gtest/gtest.h"
+#include "tests/testing/sparse_npy.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/tensor/npy.h"
 
@@ -80,6 +84,25 @@ TEST(Seq2SeqDataset, RefusesWhatTheModelCannotReadNamingTheFileAndPair) {
   }
   EXPECT_EQ(Seq2SeqDataset::Open(TempPath("absent.npy"), targets, 32, 0, 0).status().code(),
             absl::StatusCode::kNotFound);
+}
+
+// Pairs whose int64 values would not fit in the memory available are
+// refused from their headers, before either file is read: here int32
+// inputs whose file ReadNpy alone could hold (8 bytes an id, with its
+// tensor) but whose ids as int64 with the tensor they come from could not
+// (20 bytes an id).
+TEST(Seq2SeqDataset, PairsThatWouldNotFitInMemoryAreRefusedBeforeTheyAreRead) {
+  const int64_t rows = AvailableHostMemoryBytes() / 12 / 64 + 1;
+  const std::string inputs = TempPath("huge_inputs.npy"), targets = TempPath("huge_targets.npy");
+  testing::WriteSparseNpy(inputs, "<i4", {rows, 64}, 4);
+  testing::WriteSparseNpy(targets, "<i4", {rows, 1}, 4);
+  const absl::Time start = absl::Now();
+  const absl::Status s = Seq2SeqDataset::Open(inputs, targets, 100, 0, 0).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), inputs + " and " + targets + " would take about")) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "read before it was refused?";
+  ::unlink(inputs.c_str());
+  ::unlink(targets.c_str());
 }
 
 }  // namespace
