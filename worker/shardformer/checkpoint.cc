@@ -299,6 +299,14 @@ const char* TorchDTypeName(DType dtype) {
 
 }  // namespace
 
+absl::StatusOr<SafetensorsFile*> CheckpointFiles::Get(const std::string& name) {
+  std::unique_ptr<SafetensorsFile>& f = files_[name];
+  if (f == nullptr) {
+    ASSIGN_OR_RETURN(f, OpenCheckpointFile(absl::StrCat(dir_, "/", name)));
+  }
+  return f.get();
+}
+
 absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& out_dir, std::optional<DType> dtype) {
   return ConsolidateCheckpoint(dir, out_dir, dtype, nullptr);
 }
@@ -313,15 +321,11 @@ absl::Status ConsolidateCheckpoint(const std::string& dir, const std::string& ou
   for (const char* name : {"/model.safetensors", "/config.json"}) RETURN_IF_ERROR(CheckReplaceable(out_dir + name));
   ASSIGN_OR_RETURN(const CheckpointIndex index, ReadCheckpointIndex(dir));
   ASSIGN_OR_RETURN(std::string config, ReadFileToString(dir + "/config.json"));
-  std::map<std::string, std::unique_ptr<SafetensorsFile>> files;
+  CheckpointFiles files(dir);
   auto file = [&](const std::string& name) -> absl::StatusOr<SafetensorsFile*> {
-    auto& f = files[name];
-    if (f == nullptr) {
-      auto opened = OpenCheckpointFile(absl::StrCat(dir, "/", name));
-      if (!opened.ok()) return Damaged(dir, std::string(opened.status().message()));
-      f = *std::move(opened);
-    }
-    return f.get();
+    absl::StatusOr<SafetensorsFile*> f = files.Get(name);
+    if (!f.ok()) return Damaged(dir, std::string(f.status().message()));
+    return f;
   };
   // Every block as stored before any allocation: each block of a tensor in
   // a file of its own (a file holds one tensor of a name), so the index's

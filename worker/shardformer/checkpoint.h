@@ -24,6 +24,7 @@
 #define COLOD_WORKER_SHARDFORMER_CHECKPOINT_H_
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -44,6 +45,19 @@ namespace colod::shardformer {
 // a damaged header), so that such a checkpoint is damaged as a whole, passed
 // over for an older one, not found out at its first read.
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> OpenCheckpointFile(const std::string& path);
+// The rank files of one checkpoint directory, each opened
+// (OpenCheckpointFile) once, on first use. Thread-compatible.
+class CheckpointFiles {
+ public:
+  explicit CheckpointFiles(std::string dir) : dir_(std::move(dir)) {}
+  // DIR/`name`, opened now or before; OpenCheckpointFile's errors.
+  absl::StatusOr<SafetensorsFile*> Get(const std::string& name);
+  const std::string& dir() const { return dir_; }
+
+ private:
+  std::string dir_;
+  std::map<std::string, std::unique_ptr<SafetensorsFile>> files_;
+};
 
 // Every rank of the model calls it with the same `dir` (created if needed,
 // on a file system all ranks share).

@@ -862,22 +862,7 @@ std::optional<int64_t> PieceOffset(const std::string& name, const std::string& p
 }
 
 // A checkpoint's files, each opened once (OpenCheckpointFile) as asked for.
-class CheckpointFiles {
- public:
-  explicit CheckpointFiles(std::string dir) : dir_(std::move(dir)) {}
-  absl::StatusOr<shardformer::SafetensorsFile*> Get(const std::string& name) {
-    std::unique_ptr<shardformer::SafetensorsFile>& f = files_[name];
-    if (f == nullptr) {
-      ASSIGN_OR_RETURN(f, shardformer::OpenCheckpointFile(dir_ + "/" + name));
-    }
-    return f.get();
-  }
-  const std::string& dir() const { return dir_; }
-
- private:
-  std::string dir_;
-  std::map<std::string, std::unique_ptr<shardformer::SafetensorsFile>> files_;
-};
+using shardformer::CheckpointFiles;
 
 // Puts the elements [begin, begin + target.numel()) of state `prefix`
 // ("<param>.<state>") of one rank's local tensor into `target` (flat) from
