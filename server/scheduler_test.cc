@@ -1238,6 +1238,27 @@ TEST_F(SchedulerTest, AnAssignmentOvertakenByItsAbortCostsTheWorkerNoCoolOff) {
   EXPECT_EQ(fake_->assigned.size(), 4u);
 }
 
+// An ABORTED answer to a placement that is not stopping (a worker that saw
+// a later generation of the job) is a refusal like any other: the job is
+// placed again, and the worker sits out its cool-off.
+TEST_F(SchedulerTest, AnAbortedAnswerToARunningPlacementIsARefusal) {
+  Start(1);
+  fake_->refuse = {"10.0.0.1:7071"};
+  fake_->refusal = absl::AbortedError(
+      "generation 1 of job 'job-000001' no longer runs: this worker ran its "
+      "generation 2");
+  const std::string id = jobs_->Submit(TrainSpec(1, 1), "")->job_id();
+  scheduler_->TickForTest();
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_PENDING);
+  fake_->refuse.clear();
+  scheduler_->TickForTest();
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_PENDING) << "placed on a worker in its cool-off";
+  EXPECT_TRUE(absl::StrContains(Job(id).reason(), "sits out a refusal")) << Job(id).reason();
+  Pass(absl::Seconds(31));
+  scheduler_->TickForTest();
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_SCHEDULED) << Job(id).reason();
+}
+
 TEST_F(SchedulerTest, RanksGoOnlyToWorkersWithTheMemoryTheyNeed) {
   const int64_t need = RankMemoryFloorBytes(TrainSpec(1, 1));
   ASSERT_GT(need, 0);

@@ -165,31 +165,44 @@ bool JobRunner::Drain(const std::string& reason, bool save) {
   return true;
 }
 
-absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
-  if (req.job_id().empty()) return absl::InvalidArgumentError("job_id: required");
+namespace {
+
+// A job's id and uid as a rank may carry them (INVALID_ARGUMENT otherwise).
+absl::Status CheckJobIds(const std::string& job_id, const std::string& job_uid) {
+  if (job_id.empty()) return absl::InvalidArgumentError("job_id: required");
   // It names the rank's directory (WORK_DIR/JOB-gen-G-rank-R, removed
   // whole) and its flight recorder's dump: a plain name, never a path
   // ("../..", or a NUL that would cut the path short).
   constexpr size_t kMaxJobIdBytes = 128;
-  if (req.job_id().size() > kMaxJobIdBytes || !absl::c_all_of(req.job_id(), [](char c) {
+  if (job_id.size() > kMaxJobIdBytes || !absl::c_all_of(job_id, [](char c) {
         return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_';
       })) {
-    return absl::InvalidArgumentError(absl::StrCat("job_id: at most ", kMaxJobIdBytes,
-                                                   " letters, digits, '-' and '_', not '",
-                                                   EscapedPrefix(req.job_id(), 40), "'"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job_id: at most ", kMaxJobIdBytes, " letters, digits, '-' and '_', not '", EscapedPrefix(job_id, 40), "'"));
   }
+  // Job.uid: lowercase hex (it joins the job id in the checkpoints' writer,
+  // and a '_' in it could make two jobs' writers one).
+  if (job_uid.size() > 32 || job_uid.find_first_not_of("0123456789abcdef") != std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job_uid: at most 32 lowercase hex digits, not '", EscapedPrefix(job_uid, 40), "'"));
+  }
+  return absl::OkStatus();
+}
+
+// Whether two uids of one job id name different jobs: both known and not
+// the same (an empty one, from an older coordinator, names any).
+bool OtherJob(const std::string& a, const std::string& b) { return !a.empty() && !b.empty() && a != b; }
+
+}  // namespace
+
+absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
+  RETURN_IF_ERROR(CheckJobIds(req.job_id(), req.job_uid()));
   if (req.spec().kind() != v1::JOB_KIND_TRAIN && req.spec().kind() != v1::JOB_KIND_FORWARD &&
       req.spec().kind() != v1::JOB_KIND_TENSOR) {
     return absl::InvalidArgumentError(absl::StrCat("spec.kind: this worker runs TRAIN, FORWARD and TENSOR jobs, not ",
                                                    v1::JobKind_Name(req.spec().kind())));
   }
   if (req.rendezvous_scope().empty()) return absl::InvalidArgumentError("rendezvous_scope: required");
-  // Job.uid: lowercase hex (it joins the job id in the checkpoints' writer,
-  // and a '_' in it could make two jobs' writers one).
-  if (req.job_uid().size() > 32 || req.job_uid().find_first_not_of("0123456789abcdef") != std::string::npos) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("job_uid: at most 32 lowercase hex digits, not '", EscapedPrefix(req.job_uid(), 40), "'"));
-  }
   // The mesh is the one the coordinator sends; it must be the shard
   // config's.
   ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::FromProto(req.mesh()));
@@ -339,12 +352,19 @@ std::optional<std::string> JobRunner::LaterGenerationLocked(const v1::AssignJobR
       std::get<2>(*last_ended_) > req.generation()) {
     return absl::StrCat("ran its generation ", std::get<2>(*last_ended_));
   }
-  for (const auto& [job_id, uid, generation] : aborted_) {
-    if (of_job(job_id, uid) && generation >= req.generation()) {
-      return absl::StrCat("was told to abort its generation ", generation, " before this assignment arrived");
+  for (const Gone& g : gone_) {
+    if (of_job(g.job_id, g.uid) && g.generation >= req.generation()) {
+      return g.ran ? absl::StrCat("ran its generation ", g.generation)
+                   : absl::StrCat("was told to abort its generation ", g.generation, " before this assignment arrived");
     }
   }
   return std::nullopt;
+}
+
+void JobRunner::RememberGoneLocked(Gone gone) {
+  if (gone.uid.empty()) return;  // (a job of an older coordinator: see LaterGenerationLocked)
+  gone_.push_back(std::move(gone));
+  if (gone_.size() > kMaxGoneKept) gone_.pop_front();
 }
 
 absl::Status JobRunner::Abort(const v1::AbortJobRequest& req) {
@@ -354,13 +374,15 @@ absl::Status JobRunner::Abort(const v1::AbortJobRequest& req) {
     // An abort of a generation that does not run here may have overtaken
     // its assignment (the coordinator sends both at once when a placement
     // stops as it starts): that assignment, arriving later, is refused.
-    const bool runs_it =
-        active_ && active_->request.job_id() == req.job_id() && active_->request.generation() == req.generation();
-    if (!runs_it && !req.job_uid().empty()) {
-      aborted_.emplace_back(req.job_id(), req.job_uid(), req.generation());
-      if (aborted_.size() > kMaxAbortedKept) aborted_.pop_front();
+    // (An abort carrying another uid is another job's, of a coordinator
+    // that numbers its jobs from 1 again.)
+    const bool of_job =
+        active_ && active_->request.job_id() == req.job_id() && !OtherJob(active_->request.job_uid(), req.job_uid());
+    const bool runs_it = of_job && active_->request.generation() == req.generation();
+    if (!runs_it && CheckJobIds(req.job_id(), req.job_uid()).ok()) {
+      RememberGoneLocked(Gone{req.job_id(), req.job_uid(), req.generation(), /*ran=*/false});
     }
-    if (!active_ || active_->request.job_id() != req.job_id()) {
+    if (!of_job) {
       return absl::NotFoundError(absl::StrCat("this worker does not run job '", req.job_id(), "'"));
     }
     if (req.generation() < active_->request.generation()) {
@@ -504,6 +526,9 @@ void JobRunner::Run(std::shared_ptr<Active> active) {
     if (!device.ok()) device_lost_ = device;
     last_ended_ = std::make_tuple(req.job_id(), req.job_uid(), req.generation(), req.rank());
     last_ended_code_ = s.code();
+    // Past the next rank, last_ended_ no longer says it ran: a very late
+    // repeat of its assignment must not start it again.
+    RememberGoneLocked(Gone{req.job_id(), req.job_uid(), req.generation(), /*ran=*/true});
     active_.reset();
   }
   if (!device.ok()) {

@@ -180,11 +180,22 @@ class JobRunner {
   // WORK_DIR/JOB-gen-G-rank-R: the rank's scratch directory (its model's
   // config.json and links under model/), removed when it ends.
   std::string RankDir(const v1::AssignJobRequest& req) const;
-  // Why `req` is of a generation of its job (by job id and uid) older than
-  // one this worker runs, ran last, or was told to abort (that one
-  // included); nullopt where it is not, or has no uid.
+  // A generation of a job (by id and uid) that ran here, or was aborted
+  // here before its assignment arrived.
+  struct Gone {
+    std::string job_id, uid;
+    int64_t generation = 0;
+    bool ran = false;
+  };
+  // Why `req` is of a generation of its job (by job id and uid) that no
+  // longer runs here: older than one this worker runs, or at or below one
+  // that ran here or that it was told to abort (gone_); nullopt where it is
+  // not, or has no uid. (The same assignment as the running rank's or the
+  // last ended one's is a duplicate delivery, checked before.)
   std::optional<std::string> LaterGenerationLocked(const v1::AssignJobRequest& req) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds `gone` to gone_ (the newest kMaxGoneKept), where it has a uid.
+  void RememberGoneLocked(Gone gone) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Options::min_free_work_dir_bytes' check (RESOURCE_EXHAUSTED).
   absl::Status CheckWorkDirRoom() const;
   // The dumps WORK_DIR/flight-recorder keeps, the newest (about 0.5 MB each).
@@ -202,11 +213,11 @@ class JobRunner {
   // started again by a repeat of its assignment.
   std::optional<std::tuple<std::string, std::string, int64_t, int>> last_ended_ ABSL_GUARDED_BY(mu_);
   absl::StatusCode last_ended_code_ ABSL_GUARDED_BY(mu_) = absl::StatusCode::kOk;  // its end's
-  // The aborts of generations that did not run here (job, uid, generation),
-  // the newest kMaxAbortedKept: their assignments, arriving after them, are
-  // refused.
-  std::deque<std::tuple<std::string, std::string, int64_t>> aborted_ ABSL_GUARDED_BY(mu_);
-  static constexpr size_t kMaxAbortedKept = 64;
+  // The generations that ended here and the aborts of ones that did not
+  // run here, the newest kMaxGoneKept: their assignments, arriving after
+  // them, are refused.
+  std::deque<Gone> gone_ ABSL_GUARDED_BY(mu_);
+  static constexpr size_t kMaxGoneKept = 64;
 };
 
 }  // namespace colod

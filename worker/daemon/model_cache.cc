@@ -52,10 +52,14 @@ absl::Status ModelCache::Materialize(const v1::ModelSpec& model, const std::stri
   if (ec) return OwnDisk(FileError("cannot create", dir, ec.value()));
   RETURN_IF_ERROR(OwnDisk(WriteFileAtomically(dir + "/config.json", model.config_json())));
   const fs::path weights = fs::absolute(weights_path, ec);
-  const bool exists = !ec && fs::exists(weights, ec);
-  // A path this worker may not look into (EACCES) is not a missing one.
-  if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory) {
-    return FileError("spec.model.weights_path: cannot look up", weights_path, ec.value());
+  const bool exists = !ec && fs::exists(weights, ec);  // (a path that is not there clears ec)
+  // A path this worker may not look into (EACCES, a loop of links) is not a
+  // missing one; nor is one its file system fails to look up for now (EIO,
+  // ESTALE: a stale mount), which is this worker's fault: the job restarts
+  // elsewhere, and this worker sits out.
+  if (ec) {
+    absl::Status s = FileError("spec.model.weights_path: cannot look up", weights_path, ec.value());
+    return absl::IsUnavailable(s) ? MarkWorkerFault(std::move(s)) : s;
   }
   if (!exists) {
     return absl::NotFoundError(

@@ -623,6 +623,21 @@ TEST(WorkerDaemon, AnAssignmentOfAnAbortedOrOlderGenerationIsRefused) {
   s = runner.Assign(generation(1));
   EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
   EXPECT_TRUE(absl::StrContains(s.message(), "this worker ran its generation 2")) << s;
+  // An abort of the same job id under another uid (a coordinator that
+  // numbers its jobs from 1 again) is not this job's: it stops nothing.
+  ASSERT_TRUE(runner.Assign(generation(3)).ok());
+  EXPECT_EQ(abort(3, "0badcafe").code(), absl::StatusCode::kNotFound);
+  EXPECT_FALSE(runner.WaitIdle(absl::Milliseconds(200))) << "another job's abort stopped the rank";
+  ASSERT_TRUE(abort(3).ok());
+  ASSERT_TRUE(runner.WaitIdle(absl::Seconds(30)));
+  // A rank that ended is not started again by a very late repeat of its
+  // assignment, once another rank ended after it.
+  ASSERT_TRUE(runner.Assign(generation(4, "0badcafe")).ok());
+  ASSERT_TRUE(abort(4, "0badcafe").ok());
+  ASSERT_TRUE(runner.WaitIdle(absl::Seconds(30)));
+  s = runner.Assign(generation(3));
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "this worker ran its generation 3")) << s;
   // Without a uid, neither the abort nor the generations hold.
   EXPECT_EQ(abort(5, "").code(), absl::StatusCode::kNotFound);
   v1::AssignJobRequest keyless = generation(1, "");

@@ -443,7 +443,9 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::Open(const std::string
                                                                const Tokenizer* tokenizer,
                                                                const std::function<bool()>& stopped,
                                                                int64_t vocab_size) {
-  if (vocab_size < 0) return absl::InvalidArgumentError(absl::StrCat("a vocabulary of ", vocab_size, " ids"));
+  if (vocab_size < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": a model's vocabulary of ", vocab_size, " ids"));
+  }
   ASSIGN_OR_RETURN(std::unique_ptr<TokenCorpus> c, OpenAnyIds(path, format, tokenizer, stopped));
   c->vocab_size_ = vocab_size;
   if (vocab_size == 0 || c->bin_.has_value()) return c;  // a file's tokens are checked as Read reads them
