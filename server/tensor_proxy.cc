@@ -185,7 +185,11 @@ grpc::Status TensorProxy::GetShard(grpc::ServerContext* ctx, const v1::GetShardR
 
 grpc::Status TensorProxy::GetGlobal(grpc::ServerContext* ctx, const v1::GetGlobalRequest* req,
                                     v1::GetGlobalResponse* resp) {
-  return FanOut(ctx, "GetGlobal", req->job_id(), *req, resp, &Stub::async::GetGlobal);
+  // Every rank gathers; rank 0's answer is passed on, and only it carries
+  // the value (up to 4 MiB: one copy here, not one a rank).
+  v1::GetGlobalRequest each = *req;
+  each.set_value_on_rank_zero_only(true);
+  return FanOut(ctx, "GetGlobal", req->job_id(), each, resp, &Stub::async::GetGlobal);
 }
 
 grpc::Status TensorProxy::DescribeTensor(grpc::ServerContext* ctx, const v1::DescribeTensorRequest* req,

@@ -39,6 +39,14 @@ class SlowWorker final : public v1::TensorService::Service {
     }
     return grpc::Status::OK;
   }
+  // Answers with the value "rank R" of the rank its address was given,
+  // where the call asks every rank for it.
+  grpc::Status GetGlobal(grpc::ServerContext*, const v1::GetGlobalRequest* req, v1::GetGlobalResponse* resp) override {
+    absl::MutexLock lock(&mu);
+    rank_zero_only.push_back(req->value_on_rank_zero_only());
+    if (!req->value_on_rank_zero_only() || rank == 0) resp->mutable_value()->set_data(absl::StrCat("rank ", rank));
+    return grpc::Status::OK;
+  }
   std::vector<std::string> Names() {
     absl::MutexLock lock(&mu);
     return names;
@@ -46,6 +54,8 @@ class SlowWorker final : public v1::TensorService::Service {
 
   absl::Mutex mu;
   std::vector<std::string> names ABSL_GUARDED_BY(mu);
+  std::vector<bool> rank_zero_only ABSL_GUARDED_BY(mu);
+  int rank = 0;
   absl::Notification release;
 };
 
@@ -176,22 +186,46 @@ TEST(TensorProxy, ACallerThatGoesAwayWhileQueuedGivesUpItsTurn) {
   worker_server->Shutdown();
 }
 
+// A RUNNING TENSOR job of two ranks on SlowWorkers (ranks 0 and 1) and a
+// proxy in front of them, served on loopback until it is destroyed.
+struct TwoRanks {
+  void Start() {
+    workers[1].rank = 1;
+    for (int r = 0; r < 2; ++r) servers[r] = Serve(&workers[r], &addresses[r]);
+    ASSERT_NO_FATAL_FAILURE(RunTensorJob(jobs, {addresses[0], addresses[1]}, &job));
+    proxy = std::make_unique<TensorProxy>(&jobs, &registry, TensorProxy::Options());
+    proxy_server = Serve(proxy.get(), &proxy_address);
+    stub = v1::TensorService::NewStub(grpc::CreateChannel(proxy_address, grpc::InsecureChannelCredentials()));
+  }
+  ~TwoRanks() {
+    if (proxy_server != nullptr) proxy_server->Shutdown();
+    for (auto& s : servers) {
+      if (s != nullptr) s->Shutdown();
+    }
+  }
+  SlowWorker workers[2];
+  std::string addresses[2];
+  std::unique_ptr<grpc::Server> servers[2];
+  JobManager jobs;
+  absl::StatusOr<v1::Job> job;
+  prometheus::Registry registry;
+  std::unique_ptr<TensorProxy> proxy;
+  std::string proxy_address;
+  std::unique_ptr<grpc::Server> proxy_server;
+  std::unique_ptr<v1::TensorService::Stub> stub;
+};
+
 // Once a call's turn comes it goes to every rank within the coordinator's
 // own deadline, however soon the client's passes: before, a client with a
 // deadline of a millisecond reached some ranks and not others, whose
 // tensors then differed (a later gather aborted a worker).
 TEST(TensorProxy, ACallWhoseTurnCameReachesEveryRankWhateverTheClientsDeadline) {
-  SlowWorker workers[2];
-  std::string addresses[2];
-  std::unique_ptr<grpc::Server> servers[2] = {Serve(&workers[0], &addresses[0]), Serve(&workers[1], &addresses[1])};
-  JobManager jobs;
-  absl::StatusOr<v1::Job> job;
-  ASSERT_NO_FATAL_FAILURE(RunTensorJob(jobs, {addresses[0], addresses[1]}, &job));
-  prometheus::Registry registry;
-  TensorProxy proxy(&jobs, &registry, TensorProxy::Options());
-  std::string proxy_address;
-  std::unique_ptr<grpc::Server> proxy_server = Serve(&proxy, &proxy_address);
-  auto stub = v1::TensorService::NewStub(grpc::CreateChannel(proxy_address, grpc::InsecureChannelCredentials()));
+  TwoRanks two;
+  ASSERT_NO_FATAL_FAILURE(two.Start());
+  SlowWorker* const workers = two.workers;
+  TensorProxy& proxy = *two.proxy;
+  auto& stub = two.stub;
+  const absl::StatusOr<v1::Job>& job = two.job;
   for (int i = 0; i < 40; ++i) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::microseconds(200 + 100 * i));
@@ -207,8 +241,27 @@ TEST(TensorProxy, ACallWhoseTurnCameReachesEveryRankWhateverTheClientsDeadline) 
   absl::SleepFor(absl::Milliseconds(200));
   EXPECT_EQ(workers[0].Names(), workers[1].Names());
   EXPECT_FALSE(workers[0].Names().empty());
-  proxy_server->Shutdown();
-  for (auto& s : servers) s->Shutdown();
+}
+
+// A GetGlobal goes to every rank (the gather is collective) asking only
+// rank 0 for the value: the coordinator holds one copy of up to 4 MiB, not
+// one a rank, and passes rank 0's on.
+TEST(TensorProxy, AGatherAsksOnlyRankZeroForTheValue) {
+  TwoRanks two;
+  ASSERT_NO_FATAL_FAILURE(two.Start());
+  auto& stub = two.stub;
+  const absl::StatusOr<v1::Job>& job = two.job;
+  grpc::ClientContext ctx;
+  v1::GetGlobalRequest req;
+  req.set_job_id(job->job_id());
+  req.set_name("x");
+  v1::GetGlobalResponse resp;
+  ASSERT_TRUE(stub->GetGlobal(&ctx, req, &resp).ok());
+  EXPECT_EQ(resp.value().data(), "rank 0");
+  for (SlowWorker& w : two.workers) {
+    absl::MutexLock lock(&w.mu);
+    EXPECT_EQ(w.rank_zero_only, std::vector<bool>{true}) << "rank " << w.rank;
+  }
 }
 
 // A call whose job is cancelled, or placed again, while it runs on the

@@ -202,6 +202,11 @@ absl::Status TensorHost::AgreeOnEveryRank(const std::string& call, const std::st
       " did not run. Delete the tensor and create it again"));
 }
 
+absl::Status TensorHost::OpenForCollectives() {
+  absl::MutexLock lock(&mu_);
+  return closed_ ? absl::UnavailableError("the job's rank has stopped") : absl::OkStatus();
+}
+
 absl::StatusOr<TensorHost::Entry> TensorHost::Snapshot(const std::string& name) {
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Entry * e, FindLocked(name));
@@ -211,6 +216,7 @@ absl::StatusOr<TensorHost::Entry> TensorHost::Snapshot(const std::string& name) 
 absl::StatusOr<v1::TensorLayout> TensorHost::SetDistSpec(const v1::SetDistSpecRequest& req) {
   ASSIGN_OR_RETURN(DistSpec spec, DistSpecFromProto(req.dist_spec()));
   absl::MutexLock order(&collective_mu_);
+  RETURN_IF_ERROR(OpenForCollectives());
   const absl::StatusOr<Entry> found = Snapshot(req.name());
   RETURN_IF_ERROR(AgreeOnEveryRank(absl::StrCat("SetDistSpec to ", spec.ToString()), req.name(), found));
   const Entry& current = *found;
@@ -248,8 +254,9 @@ absl::StatusOr<v1::GetShardResponse> TensorHost::GetShard(const v1::GetShardRequ
   return resp;
 }
 
-absl::StatusOr<v1::TensorValue> TensorHost::GetGlobal(const std::string& name) {
+absl::StatusOr<v1::TensorValue> TensorHost::GetGlobal(const std::string& name, bool answer) {
   absl::MutexLock order(&collective_mu_);
+  RETURN_IF_ERROR(OpenForCollectives());
   const absl::StatusOr<Entry> found = Snapshot(name);
   RETURN_IF_ERROR(AgreeOnEveryRank("GetGlobal", name, found));
   // Alike on every rank (agreed above): every rank refuses it.
@@ -258,6 +265,7 @@ absl::StatusOr<v1::TensorValue> TensorHost::GetGlobal(const std::string& name) {
                              "read it a shard at a time (GetShard), or reshard it so that the shards fit"));
   NoGradScope no_grad;
   ASSIGN_OR_RETURN(ColoTensor whole, found->tensor.ToReplicate());
+  if (!answer) return v1::TensorValue();
   return TensorToProto(whole.local());
 }
 

@@ -70,8 +70,12 @@ class TensorHost {
   // This rank's shard. INVALID_ARGUMENT unless request.rank is this rank.
   absl::StatusOr<v1::GetShardResponse> GetShard(const v1::GetShardRequest& request);
   // The whole value (gathered and reduced). Collective, checked as
-  // SetDistSpec's.
-  absl::StatusOr<v1::TensorValue> GetGlobal(const std::string& name) ABSL_LOCKS_EXCLUDED(collective_mu_, mu_);
+  // SetDistSpec's. With `answer` false the rank takes part in the gather
+  // and answers with an empty value (GetGlobalRequest.value_on_rank_zero_only).
+  absl::StatusOr<v1::TensorValue> GetGlobal(const std::string& name, bool answer = true)
+      ABSL_LOCKS_EXCLUDED(collective_mu_, mu_);
+  // The rank of the job's mesh this host is.
+  int rank() const { return pg_->rank(); }
   absl::StatusOr<v1::TensorLayout> Describe(const std::string& name);
   // The layouts of the tensors named after `after` (all: ""), in name
   // order, as many as kMaxListBytes of them holds (one at least);
@@ -93,6 +97,10 @@ class TensorHost {
     int64_t bytes = 0;  // its global size, counted against the budget
   };
   absl::StatusOr<Entry*> FindLocked(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // UNAVAILABLE once closed. Called under collective_mu_, which Close takes
+  // to close: OK means the process group stays until that lock is let go
+  // (a collective on a closed host would run on a group that is gone).
+  absl::Status OpenForCollectives() ABSL_EXCLUSIVE_LOCKS_REQUIRED(collective_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // A copy of the named tensor's entry (a handle), taken under the map's lock.
   absl::StatusOr<Entry> Snapshot(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<v1::TensorLayout> LayoutLocked(const std::string& name, const Entry& e)

@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -172,7 +173,12 @@ TEST(TensorHost, ItsCallsDoNotWaitForACollectiveInProgressAndTheCollectivesGiveT
       testing::ExpectAllClose(*got, *want, "GetGlobal", 0);
     } else {
       absl::SleepFor(absl::Seconds(1));
-      ASSERT_TRUE(host.GetGlobal("w").ok());
+      // It takes part in the gather and, not asked to answer with the value
+      // (the coordinator's calls but rank 0's), holds none.
+      const absl::StatusOr<v1::TensorValue> joined = host.GetGlobal("w", /*answer=*/false);
+      ASSERT_TRUE(joined.ok()) << joined.status();
+      EXPECT_TRUE(joined->data().empty());
+      EXPECT_EQ(joined->shape_size(), 0);
     }
     // Replicated on both ranks: each shard is the whole.
     v1::SetDistSpecRequest set;
@@ -217,6 +223,20 @@ TEST(TensorHost, ItsCallsDoNotWaitForACollectiveInProgressAndTheCollectivesGiveT
     host.Close();
     EXPECT_EQ(host.Describe("w").status().code(), absl::StatusCode::kUnavailable);
     EXPECT_EQ(host.GetShard(shard).status().code(), absl::StatusCode::kUnavailable);
+    // A closed host runs no collective (its group is about to go): a call
+    // that reached one rank only answers at once, where it used to enter
+    // the agreement and wait for its peer (or, once the group was freed,
+    // use it).
+    if (rank == 0) {
+      const absl::Time start = absl::Now();
+      for (const absl::Status s : {host.GetGlobal("w").status(), host.SetDistSpec(replicate_v).status()}) {
+        EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+        EXPECT_TRUE(absl::StrContains(s.message(), "the job's rank has stopped")) << s;
+      }
+      EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+    } else {
+      absl::SleepFor(absl::Seconds(2));  // the peer stays, its group open, past rank 0's calls
+    }
   });
 }
 

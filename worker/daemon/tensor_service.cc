@@ -42,7 +42,8 @@ grpc::Status WorkerTensorService::GetShard(grpc::ServerContext* ctx, const v1::G
 grpc::Status WorkerTensorService::GetGlobal(grpc::ServerContext* ctx, const v1::GetGlobalRequest* req,
                                             v1::GetGlobalResponse* resp) {
   return With(ctx, req->job_id(), [&](TensorHost& h) -> absl::Status {
-    ASSIGN_OR_RETURN(*resp->mutable_value(), h.GetGlobal(req->name()));
+    ASSIGN_OR_RETURN(*resp->mutable_value(),
+                     h.GetGlobal(req->name(), !req->value_on_rank_zero_only() || h.rank() == 0));
     return absl::OkStatus();
   });
 }
