@@ -1,8 +1,12 @@
 #include "server/tensor_proxy.h"
 
+#include <algorithm>
 #include <functional>
+#include <type_traits>
 #include <vector>
 
+#include "absl/algorithm/container.h"
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/grpc_server.h"
@@ -88,18 +92,18 @@ void TensorProxy::EndTurn(const std::string& job_id) {
 
 template <typename Req, typename Resp>
 grpc::Status TensorProxy::FanOut(grpc::ServerContext* ctx, const char* method, const std::string& job_id,
-                                 const Req& req, Resp* resp, Call<Req, Resp> call, int only_rank) {
+                                 const Req& req, Resp* resp, Call<Req, Resp> call, int only_rank, Settle settle) {
   const absl::Time start = absl::Now();
   absl::Status status = auth_.Check(*ctx, CallerRole::kClient);
-  if (status.ok()) status = FanOutToRanks(ctx, job_id, req, resp, call, only_rank);
+  if (status.ok()) status = FanOutToRanks(ctx, job_id, req, resp, call, only_rank, settle);
   ObserveRpc(*rpc_duration_, method, status, absl::Now() - start);
   MarkAnswered(*ctx);  // a worker's UNAVAILABLE passed on is the coordinator's answer
   return ToGrpcStatus(status);
 }
 
 template <typename Req, typename Resp>
-absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::string& job_id, const Req& req,
-                                       Resp* resp, Call<Req, Resp> call, int only_rank) {
+absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::string& job_id, const Req& req, Resp* resp,
+                                        Call<Req, Resp> call, int only_rank, Settle settle) {
   absl::StatusOr<v1::Job> job = RunningTensorJob(job_id);
   if (!job.ok()) return job.status();
   const v1::MeshSpec& mesh = job->mesh();
@@ -124,23 +128,64 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
   // (each within `deadline`). No lock is held meanwhile.
   RETURN_IF_ERROR(AwaitTurn(job_id, ctx, std::min(client, absl::Now() + options_.rpc_timeout)));
   const absl::Time deadline = absl::Now() + options_.rpc_timeout;
-  const auto start = [&](size_t i, grpc::ClientContext* c, std::function<void(grpc::Status)> done) {
+  const AuthToken& token = options_.worker_token.empty() ? options_.auth_token : options_.worker_token;
+  const auto connect = [&](size_t i, grpc::ClientContext* c) {
     const v1::RankAssignment& a = mesh.ranks(ranks[i]);
     if (options_.worker_key_to_call) AddWorkerKey(*c, options_.worker_key_to_call(a.worker_id()));
+    // A worker not connected this moment (a blip) is waited for, within the
+    // deadline, not failed at once: its peers would wait in the collective
+    // for it until their timeout, and the job's group break.
+    c->set_wait_for_ready(true);
     stubs[i] = stubs_.Get(a.worker_address());
+  };
+  const auto start = [&](size_t i, grpc::ClientContext* c, std::function<void(grpc::Status)> done) {
+    connect(i, c);
     (stubs[i]->async()->*call)(c, &req, &responses[i], std::move(done));
   };
-  const std::vector<absl::Status> statuses = RunAsyncCalls(ranks.size(), deadline,
-                                                            options_.worker_token.empty() ? options_.auth_token
-                                                                                          : options_.worker_token,
-                                                            start);
+  std::vector<absl::Status> statuses = RunAsyncCalls(ranks.size(), deadline, token, start);
+  const size_t made = static_cast<size_t>(absl::c_count_if(statuses, [](const absl::Status& s) { return s.ok(); }));
+  std::string undone;
+  if constexpr (std::is_same_v<Req, v1::CreateTensorRequest>) {
+    if (settle == Settle::kCreate && made > 0 && made < statuses.size()) {
+      // Within the turn: the next call on the job finds the ranks alike.
+      v1::DeleteTensorRequest del;
+      del.set_job_id(req.job_id());
+      del.set_name(req.name());
+      std::vector<size_t> at;
+      for (size_t i = 0; i < statuses.size(); ++i) {
+        if (statuses[i].ok()) at.push_back(i);
+      }
+      std::vector<v1::DeleteTensorResponse> deleted(at.size());
+      const std::vector<absl::Status> deletes =
+          RunAsyncCalls(at.size(), absl::Now() + options_.rpc_timeout, token,
+                        [&](size_t k, grpc::ClientContext* c, std::function<void(grpc::Status)> done) {
+                          connect(at[k], c);
+                          stubs[at[k]]->async()->DeleteTensor(c, &del, &deleted[k], std::move(done));
+                        });
+      const size_t gone = static_cast<size_t>(absl::c_count_if(deletes, [](const absl::Status& s) { return s.ok(); }));
+      undone = gone == at.size() ? absl::StrCat("; the ", gone, " ranks that made it deleted it again")
+                                 : absl::StrCat("; of the ", at.size(), " ranks that made it, ", at.size() - gone,
+                                                " could not delete it again: delete it");
+    }
+  }
   EndTurn(job_id);
-  for (size_t i = 0; i < ranks.size(); ++i) {
+  if (settle == Settle::kDelete && made > 0) {
+    for (absl::Status& s : statuses) {
+      if (absl::IsNotFound(s)) s = absl::OkStatus();  // an earlier delete reached that rank
+    }
+  }
+  // The rank whose failure is its own, not one that followed from a peer's.
+  std::vector<size_t> order(ranks.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_partition(order.begin(), order.end(), [&statuses](size_t i) {
+    return !absl::IsDeadlineExceeded(statuses[i]) && !absl::IsAborted(statuses[i]) && !absl::IsCancelled(statuses[i]);
+  });
+  for (const size_t i : order) {
     if (statuses[i].ok()) continue;
     const v1::RankAssignment& a = mesh.ranks(ranks[i]);
     const absl::Status& s = statuses[i];
-    const std::string where =
-        absl::StrCat("rank ", a.rank(), " (worker ", a.worker_id(), " at ", a.worker_address(), "): ", s.message());
+    const std::string where = absl::StrCat("rank ", a.rank(), " (worker ", a.worker_id(), " at ", a.worker_address(),
+                                           "): ", s.message(), undone);
     // A job cancelled or placed again while the call ran aborts its ranks
     // (ABORTED, UNAVAILABLE, CANCELLED from the workers): the answer is the
     // job's state, as for a call that came after it. A rank's own error
@@ -169,7 +214,12 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
 
 grpc::Status TensorProxy::CreateTensor(grpc::ServerContext* ctx, const v1::CreateTensorRequest* req,
                                        v1::CreateTensorResponse* resp) {
-  return FanOut(ctx, "CreateTensor", req->job_id(), *req, resp, &Stub::async::CreateTensor);
+  v1::CreateTensorRequest each = *req;
+  {
+    absl::MutexLock lock(&mu_);
+    each.set_creation_id(absl::Uniform<uint64_t>(bits_));
+  }
+  return FanOut(ctx, "CreateTensor", req->job_id(), each, resp, &Stub::async::CreateTensor, -1, Settle::kCreate);
 }
 
 grpc::Status TensorProxy::SetDistSpec(grpc::ServerContext* ctx, const v1::SetDistSpecRequest* req,
@@ -204,7 +254,7 @@ grpc::Status TensorProxy::ListTensors(grpc::ServerContext* ctx, const v1::ListTe
 
 grpc::Status TensorProxy::DeleteTensor(grpc::ServerContext* ctx, const v1::DeleteTensorRequest* req,
                                        v1::DeleteTensorResponse* resp) {
-  return FanOut(ctx, "DeleteTensor", req->job_id(), *req, resp, &Stub::async::DeleteTensor);
+  return FanOut(ctx, "DeleteTensor", req->job_id(), *req, resp, &Stub::async::DeleteTensor, -1, Settle::kDelete);
 }
 
 }  // namespace colod

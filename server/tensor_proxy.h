@@ -14,6 +14,7 @@
 #include <string>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/random/random.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -73,14 +74,27 @@ class TensorProxy final : public v1::TensorService::Service {
   // The job, which must be a RUNNING TENSOR job: NOT_FOUND, or
   // FAILED_PRECONDITION naming its kind or state.
   absl::StatusOr<v1::Job> RunningTensorJob(const std::string& job_id);
+  // How a fan-out's answers make its outcome, beyond "every rank OK".
+  enum class Settle {
+    kPlain,
+    // A create that some ranks made and others refused is deleted again
+    // where it was made: the ranks keep holding the same tensors.
+    kCreate,
+    // A delete that found the tensor on some ranks and not others (an
+    // earlier delete that reached only some) is done.
+    kDelete,
+  };
   // `req` to every rank (or only `only_rank` if >= 0); rank 0's (or that
-  // rank's) response.
+  // rank's) response. Where ranks fail, the error is the first rank's
+  // whose code is not one that follows from another's failure
+  // (DEADLINE_EXCEEDED, ABORTED, CANCELLED: a peer waiting in a collective),
+  // or else the first rank's.
   template <typename Req, typename Resp>
   grpc::Status FanOut(grpc::ServerContext* ctx, const char* method, const std::string& job_id, const Req& req,
-                      Resp* resp, Call<Req, Resp> call, int only_rank = -1);
+                      Resp* resp, Call<Req, Resp> call, int only_rank = -1, Settle settle = Settle::kPlain);
   template <typename Req, typename Resp>
   absl::Status FanOutToRanks(grpc::ServerContext* ctx, const std::string& job_id, const Req& req, Resp* resp,
-                            Call<Req, Resp> call, int only_rank);
+                             Call<Req, Resp> call, int only_rank, Settle settle);
   // A job's fan-outs run one at a time, in the order they arrive (a ticket
   // each): AwaitTurn returns when this call's turn has come, EndTurn hands
   // it to the next. Neither holds a lock after it returns. A caller that
@@ -106,6 +120,7 @@ class TensorProxy final : public v1::TensorService::Service {
   static void AdvanceLocked(JobQueue& q);
   // A job's queue while it has a call waiting or running; erased once idle.
   std::map<std::string, JobQueue> queues_ ABSL_GUARDED_BY(mu_);
+  absl::BitGen bits_ ABSL_GUARDED_BY(mu_);  // CreateTensorRequest.creation_id
 };
 
 }  // namespace colod

@@ -2,14 +2,17 @@
 
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "colod/v1/tensor.grpc.pb.h"
+#include "common/grpc_status.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"
@@ -28,6 +31,14 @@ class SlowWorker final : public v1::TensorService::Service {
     {
       absl::MutexLock lock(&mu);
       names.push_back(req->name());
+      creation_ids.push_back(req->creation_id());
+    }
+    // Made on rank 0, refused on rank 1 (its budget).
+    if (req->name() == "half-made" && rank == 1) return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "full");
+    // Rank 0 fails for its peer's failure (a collective's), rank 1 for its own.
+    if (req->name() == "peer-failed") {
+      return rank == 0 ? grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "waited for the peer")
+                       : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "its own fault");
     }
     if (req->name() == "slow") release.WaitForNotification();
     if (req->name() == "aborted" || req->name() == "refused") {
@@ -47,6 +58,14 @@ class SlowWorker final : public v1::TensorService::Service {
     if (!req->value_on_rank_zero_only() || rank == 0) resp->mutable_value()->set_data(absl::StrCat("rank ", rank));
     return grpc::Status::OK;
   }
+  // Deletes "half-gone" only on rank 0 (an earlier delete reached rank 1).
+  grpc::Status DeleteTensor(grpc::ServerContext*, const v1::DeleteTensorRequest* req,
+                            v1::DeleteTensorResponse*) override {
+    absl::MutexLock lock(&mu);
+    deleted.push_back(req->name());
+    if (req->name() == "half-gone" && rank == 1) return grpc::Status(grpc::StatusCode::NOT_FOUND, "no tensor");
+    return grpc::Status::OK;
+  }
   std::vector<std::string> Names() {
     absl::MutexLock lock(&mu);
     return names;
@@ -55,6 +74,8 @@ class SlowWorker final : public v1::TensorService::Service {
   absl::Mutex mu;
   std::vector<std::string> names ABSL_GUARDED_BY(mu);
   std::vector<bool> rank_zero_only ABSL_GUARDED_BY(mu);
+  std::vector<uint64_t> creation_ids ABSL_GUARDED_BY(mu);
+  std::vector<std::string> deleted ABSL_GUARDED_BY(mu);
   int rank = 0;
   absl::Notification release;
 };
@@ -262,6 +283,55 @@ TEST(TensorProxy, AGatherAsksOnlyRankZeroForTheValue) {
     absl::MutexLock lock(&w.mu);
     EXPECT_EQ(w.rank_zero_only, std::vector<bool>{true}) << "rank " << w.rank;
   }
+}
+
+// The ranks keep holding the same tensors whatever part of a call fails: a
+// create one rank refused is deleted again where it was made; a delete
+// that found nothing on some ranks (an earlier one reached them) is done;
+// each create carries a creation id of its own, the same on every rank (the
+// ranks compare it before a collective). Where ranks fail, the error is
+// the one whose failure is its own, not a peer's that waited for it.
+TEST(TensorProxy, APartlyFailedCallLeavesTheRanksAlikeAndNamesTheCause) {
+  TwoRanks two;
+  ASSERT_NO_FATAL_FAILURE(two.Start());
+  const auto create = [&](const std::string& name) {
+    grpc::ClientContext ctx;
+    v1::CreateTensorRequest req;
+    req.set_job_id(two.job->job_id());
+    req.set_name(name);
+    v1::CreateTensorResponse resp;
+    return FromGrpcStatus(two.stub->CreateTensor(&ctx, req, &resp));
+  };
+  const auto remove = [&](const std::string& name) {
+    grpc::ClientContext ctx;
+    v1::DeleteTensorRequest req;
+    req.set_job_id(two.job->job_id());
+    req.set_name(name);
+    v1::DeleteTensorResponse resp;
+    return FromGrpcStatus(two.stub->DeleteTensor(&ctx, req, &resp));
+  };
+  absl::Status s = create("half-made");
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "rank 1 ")) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "the 1 ranks that made it deleted it again")) << s;
+  {
+    absl::MutexLock lock0(&two.workers[0].mu);
+    absl::MutexLock lock1(&two.workers[1].mu);
+    EXPECT_EQ(two.workers[0].deleted, std::vector<std::string>{"half-made"});
+    EXPECT_TRUE(two.workers[1].deleted.empty());
+  }
+  EXPECT_TRUE(remove("half-gone").ok());
+  s = create("peer-failed");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "rank 1 ") && absl::StrContains(s.message(), "its own fault")) << s;
+  ASSERT_TRUE(create("fine").ok());
+  absl::MutexLock lock0(&two.workers[0].mu);
+  absl::MutexLock lock1(&two.workers[1].mu);
+  const std::vector<uint64_t>& ids = two.workers[0].creation_ids;
+  EXPECT_EQ(ids, two.workers[1].creation_ids);
+  ASSERT_EQ(ids.size(), 3u);
+  EXPECT_NE(ids[0], 0u);
+  EXPECT_EQ(std::set<uint64_t>(ids.begin(), ids.end()).size(), 3u);
 }
 
 // A call whose job is cancelled, or placed again, while it runs on the

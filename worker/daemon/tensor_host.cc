@@ -130,7 +130,7 @@ absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorReques
   std::move(creating).Invoke();
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(taken());  // a Create of the same name may have come first
-  Entry& e = tensors_.emplace(req.name(), Entry{*std::move(t), next_id_++, bytes}).first->second;
+  Entry& e = tensors_.emplace(req.name(), Entry{*std::move(t), next_id_++, bytes, req.creation_id()}).first->second;
   reservation.bytes = 0;  // held by the entry now
   return LayoutLocked(req.name(), e);
 }
@@ -165,8 +165,8 @@ absl::Status TensorHost::AgreeOnEveryRank(const std::string& call, const std::st
   std::string what = absl::StrCat(call, "|", name, "|");
   if (found.ok()) {
     const ColoTensor& t = found->tensor;
-    absl::StrAppend(&what, DTypeName(t.local().dtype()), "|", ShapeToString(t.global_shape()), "|",
-                    t.spec().ToString());
+    absl::StrAppend(&what, DTypeName(t.local().dtype()), "|", ShapeToString(t.global_shape()), "|", t.spec().ToString(),
+                    "|", found->creation_id);
   } else {
     absl::StrAppend(&what, "absent");
   }
@@ -198,8 +198,9 @@ absl::Status TensorHost::AgreeOnEveryRank(const std::string& call, const std::st
       found.ok() ? absl::StrCat(ShapeToString(found->tensor.global_shape()), " ", found->tensor.spec().ToString())
                  : "none",
       "), or were not all asked the same: its calls reached some ranks and not others (an earlier call cut "
-      "short, or a worker called directly), or a create was refused on some; ", call,
-      " did not run. Delete the tensor and create it again"));
+      "short, or a worker called directly), a create was refused on some, or a delete reached only some and "
+      "the tensor was made again; ",
+      call, " did not run. Delete the tensor and create it again"));
 }
 
 absl::Status TensorHost::OpenForCollectives() {

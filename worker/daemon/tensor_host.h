@@ -95,6 +95,7 @@ class TensorHost {
     ColoTensor tensor;  // its ComputeSpec carries the request's compute_pattern
     uint64_t id = 0;    // which Create made it
     int64_t bytes = 0;  // its global size, counted against the budget
+    uint64_t creation_id = 0;  // CreateTensorRequest.creation_id: which of the job's creates
   };
   absl::StatusOr<Entry*> FindLocked(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // UNAVAILABLE once closed. Called under collective_mu_, which Close takes
@@ -107,7 +108,8 @@ class TensorHost {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Before a collective of the tensor call `call` on `name` (its entry, or
   // `found`'s error where this rank has none): whether every rank of the
-  // mesh holds the same tensor (shape, dtype, spec) and runs the same call,
+  // mesh holds the same tensor (shape, dtype, spec, and the create that made
+  // it: CreateTensorRequest.creation_id) and runs the same call,
   // by a fingerprint of them and a flag of any difference seen, gathered
   // along each axis in turn, so every rank returns the same answer.
   // Otherwise the ranks' pieces would not match (a Gloo size mismatch

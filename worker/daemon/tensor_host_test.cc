@@ -241,8 +241,8 @@ TEST(TensorHost, ItsCallsDoNotWaitForACollectiveInProgressAndTheCollectivesGiveT
 }
 
 // Ranks that do not hold a tensor alike (a call of the coordinator's that
-// reached one rank and not the other, a create one rank refused, a client
-// calling a worker directly) refuse its collectives on every rank, with
+// reached one rank and not the other, a create one rank refused, tensors of
+// one name from two creates, a client calling a worker directly) refuse its collectives on every rank, with
 // the same answer, before any data moves: before, a gather of two sizes
 // aborted the worker (a Gloo size mismatch) or left a rank waiting alone.
 // Where no rank holds it, NOT_FOUND; held alike again, it is gathered.
@@ -253,9 +253,10 @@ TEST(TensorHost, RanksThatDoNotHoldATensorAlikeRefuseItsCollectivesOnEveryRank) 
     const int world = mesh.world_size();
     testing::RunMesh(mesh, [&](int rank, ProcessGroup& pg) {
       TensorHost host(&pg, Device::Cpu(), int64_t{1} << 30);
-      const auto create = [&](int64_t rows) {
+      const auto create = [&](int64_t rows, uint64_t creation_id = 0) {
         v1::CreateTensorRequest c;
         c.set_name("x");
+        c.set_creation_id(creation_id);
         c.mutable_random()->set_seed(3);
         c.mutable_random()->add_shape(rows);
         c.mutable_random()->add_shape(4);
@@ -284,6 +285,12 @@ TEST(TensorHost, RanksThatDoNotHoldATensorAlikeRefuseItsCollectivesOnEveryRank) 
       if (rank == 0) ASSERT_TRUE(create(4).ok());  // on one rank only
       refused("one rank");
       if (rank == 0) ASSERT_TRUE(host.Delete("x").ok());
+      // The same shape and spec from two of the coordinator's creates (a
+      // delete that reached only some ranks, then a create the others
+      // refused as ALREADY_EXISTS): the values may differ, so they refuse.
+      ASSERT_TRUE(create(4, rank == 0 ? 17 : 18).ok());
+      refused("two creates");
+      ASSERT_TRUE(host.Delete("x").ok());
       EXPECT_EQ(host.GetGlobal("x").status().code(), absl::StatusCode::kNotFound);  // on none
       ASSERT_TRUE(create(4).ok());
       const absl::StatusOr<v1::TensorValue> whole = host.GetGlobal("x");
