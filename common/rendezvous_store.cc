@@ -47,16 +47,16 @@ int64_t RendezvousStore::BarrierBytes(const std::pair<std::string, std::string>&
 
 absl::Status RendezvousStore::WaiterSlotLocked() const {
   if (waiters_ < limits_.max_waiters) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "the rendezvous store already has ", waiters_, " callers waiting, its limit (the coordinator's ",
-      "--max-store-waits); try again later"));
+  return absl::UnavailableError(absl::StrCat("the rendezvous store already has ", waiters_,
+                                             " callers waiting, its limit (the coordinator's ",
+                                             "--max-store-waits); try again later"));
 }
 
 absl::Status RendezvousStore::RoomLocked(int64_t more) const {
   if (more <= 0 || bytes_ + more <= limits_.max_bytes) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrCat("the rendezvous store holds ", bytes_, " bytes; ", more,
-                                                   " more would pass its limit of ", limits_.max_bytes,
-                                                   " (the coordinator's --store-quota)"));
+  return absl::UnavailableError(absl::StrCat("the rendezvous store holds ", bytes_, " bytes; ", more,
+                                             " more would pass its limit of ", limits_.max_bytes,
+                                             " (the coordinator's --store-quota); try again later"));
 }
 
 int RendezvousStore::waiters() const {

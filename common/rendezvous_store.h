@@ -23,11 +23,13 @@ namespace colod {
 // and --store-quota).
 struct RendezvousStoreLimits {
   // Wait and Barrier calls blocked at once (each holds a server thread);
-  // more are RESOURCE_EXHAUSTED. Every rank of a job may wait at once, so
+  // more are UNAVAILABLE (for now: workers ask again within their deadline). Every rank of a job may wait at once, so
   // it must exceed the largest job's world size.
   int max_waiters = 8192;
   // Bytes of keys, values and barrier state together; a Set past it is
-  // RESOURCE_EXHAUSTED (a job's scope is deleted when its generation ends).
+  // UNAVAILABLE (for now: a job's scope is deleted when its generation ends,
+  // and workers ask again within their deadline; never a refusal that would
+  // fail another job for good).
   int64_t max_bytes = int64_t{1} << 30;
   // Whether only the scopes opened with OpenScope take sets, waits and
   // barriers (the coordinator's store: a job generation's scope, from
@@ -122,9 +124,9 @@ class RendezvousStore {
   // CANCELLED once closed or once `scope` was cancelled or deleted;
   // FAILED_PRECONDITION for one never opened where placed_scopes_only.
   absl::Status OpenLocked(absl::string_view scope) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // RESOURCE_EXHAUSTED when no more callers may block.
+  // UNAVAILABLE when no more callers may block.
   absl::Status WaiterSlotLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // RESOURCE_EXHAUSTED when `more` bytes would pass max_bytes.
+  // UNAVAILABLE when `more` bytes would pass max_bytes.
   absl::Status RoomLocked(int64_t more) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What a barrier entry holds besides its arrivals, and each arrival.
   static int64_t BarrierBytes(const std::pair<std::string, std::string>& key, const BarrierState& b);

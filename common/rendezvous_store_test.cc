@@ -177,10 +177,10 @@ TEST(RendezvousStore, BlockedCallersAreBounded) {
   for (int i = 0; i < 3000 && s.waiters() < 2; ++i) absl::SleepFor(absl::Milliseconds(1));
   ASSERT_EQ(s.waiters(), 2);
   const absl::Status third = s.Wait("sc", {"other"}, absl::Seconds(30)).status();
-  EXPECT_EQ(third.code(), absl::StatusCode::kResourceExhausted) << third;
+  EXPECT_EQ(third.code(), absl::StatusCode::kUnavailable) << third;
   EXPECT_NE(third.message().find("--max-store-waits"), absl::string_view::npos) << third;
   // A barrier arrival that would wait is refused without counting as arrived.
-  EXPECT_EQ(s.Barrier("sc", "c", 0, 2, absl::Seconds(30)).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(s.Barrier("sc", "c", 0, 2, absl::Seconds(30)).code(), absl::StatusCode::kUnavailable);
   // Calls that need not block still go through: the barrier's last rank,
   // and a wait for a key that is set.
   ASSERT_TRUE(s.Set("sc", "k", "v").ok());
@@ -208,7 +208,7 @@ TEST(RendezvousStore, HeldBytesAreBoundedAndGivenBack) {
   const int64_t overhead = RendezvousStore::kEntryOverheadBytes;
   EXPECT_EQ(after_a, overhead + 6000 + 5 + 1);
   const absl::Status full = s.Set("job/1", "b", std::string(6000, 'y'));
-  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  EXPECT_EQ(full.code(), absl::StatusCode::kUnavailable) << full;
   EXPECT_NE(full.message().find("--store-quota"), absl::string_view::npos) << full;
   EXPECT_EQ(s.bytes(), after_a);
   ASSERT_TRUE(s.Set("job/1", "a", std::string(1000, 'x')).ok());  // replaced: smaller
@@ -230,7 +230,7 @@ TEST(RendezvousStore, TinyKeysCountTheirBookkeeping) {
   int stored = 0;
   absl::Status st;
   for (int i = 0; i < 10000 && (st = s.Set("s", std::to_string(i), "")).ok(); ++i) ++stored;
-  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
   EXPECT_GE(stored, 100);
   EXPECT_LE(stored, 110);
 }

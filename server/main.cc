@@ -56,10 +56,11 @@ ABSL_FLAG(int, max_watch_streams, 256,
           "WatchJob streams served at once (each holds a server thread); more are refused RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int, max_store_waits, 8192,
           "Rendezvous waits (KvWait, Barrier) blocked at once, each holding a server thread; more are refused "
-          "RESOURCE_EXHAUSTED. Every rank of a job may wait at once: keep it above the largest job's ranks.");
+          "UNAVAILABLE, which workers ask again within their deadline. Every rank of a job may wait at once: keep "
+          "it above the largest job's ranks.");
 ABSL_FLAG(std::string, store_quota, "1GiB",
-          "Bytes the rendezvous store holds (keys, values, barriers); a KvSet past it is RESOURCE_EXHAUSTED. A "
-          "job generation's keys are dropped when it ends.");
+          "Bytes the rendezvous store holds (keys, values, barriers); a KvSet past it is refused UNAVAILABLE, "
+          "which workers ask again within their deadline. A job generation's keys are dropped when it ends.");
 ABSL_FLAG(std::string, upload_quota, "256GiB",
           "Bytes of all uploaded models together, 4 KiB a file besides its bytes (UploadModel past it is "
           "RESOURCE_EXHAUSTED); identical uploads "

@@ -1,6 +1,9 @@
 #include "worker/comm/coordinator_store.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/auth.h"
 #include "common/grpc_status.h"
@@ -21,17 +24,43 @@ CoordinatorStore::CoordinatorStore(std::shared_ptr<v1::CoordinatorService::StubI
 
 absl::Status CoordinatorStore::Call(absl::Time deadline,
                                     const std::function<grpc::Status(grpc::ClientContext*)>& call) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(deadline));
-  AddAuthToken(ctx, auth_token_);
-  AddWorkerKey(ctx, worker_key_);
-  // (Runs at once where the abort fired already: the call fails CANCELLED.)
-  std::unique_ptr<AbortSignal::Registration> cancel =
-      abort_ != nullptr ? abort_->OnAbort([&ctx] { ctx.TryCancel(); }) : nullptr;
-  const absl::Status s = FromGrpcStatus(call(&ctx));
-  cancel.reset();  // before ctx goes
-  if (!s.ok() && abort_ != nullptr && abort_->fired()) return abort_->Check();
-  return s;
+  absl::Duration backoff = kFirstRetryWait;
+  for (;;) {
+    absl::Status s;
+    {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(deadline));
+      // A coordinator not reachable this moment (a blip, a restart) is
+      // waited for within the deadline, not failed at once: every rank of
+      // the generation would fail with it.
+      ctx.set_wait_for_ready(true);
+      AddAuthToken(ctx, auth_token_);
+      AddWorkerKey(ctx, worker_key_);
+      // (Runs at once where the abort fired already: the call fails CANCELLED.)
+      std::unique_ptr<AbortSignal::Registration> cancel =
+          abort_ != nullptr ? abort_->OnAbort([&ctx] { ctx.TryCancel(); }) : nullptr;
+      s = FromGrpcStatus(call(&ctx));
+      cancel.reset();  // before ctx goes
+    }
+    if (!s.ok() && abort_ != nullptr && abort_->fired()) return abort_->Check();
+    // UNAVAILABLE: a connection lost in the call, a coordinator shutting
+    // down, or a store full for now (other jobs' scopes are freed as their
+    // generations end). Every call here may be made again: a Set writes the
+    // same value, a Get or a Wait reads.
+    const absl::Duration left = deadline - absl::Now();
+    if (!absl::IsUnavailable(s) || left <= absl::ZeroDuration()) return s;
+    const absl::Duration wait = std::min(backoff, left);
+    if (abort_ != nullptr) {
+      absl::Notification woken;
+      const std::unique_ptr<AbortSignal::Registration> wake = abort_->OnAbort([&woken] { woken.Notify(); });
+      woken.WaitForNotificationWithTimeout(wait);
+      RETURN_IF_ERROR(abort_->Check());
+    } else {
+      absl::SleepFor(wait);
+    }
+    if (absl::Now() >= deadline) return s;
+    backoff = std::min(backoff * 2, kMaxRetryWait);
+  }
 }
 
 absl::Status CoordinatorStore::Set(absl::string_view key, std::string value) {
@@ -58,10 +87,13 @@ absl::StatusOr<std::vector<std::string>> CoordinatorStore::Wait(const std::vecto
   v1::KvWaitRequest req;
   req.set_scope(scope_);
   for (const std::string& k : keys) req.add_keys(k);
-  *req.mutable_timeout() = ToProtoDuration(timeout);
   v1::KvWaitResponse resp;
-  RETURN_IF_ERROR(Call(absl::Now() + timeout + rpc_timeout_,
-                       [&](grpc::ClientContext* ctx) { return stub_->KvWait(ctx, req, &resp); }));
+  const absl::Time until = absl::Now() + timeout;
+  RETURN_IF_ERROR(Call(until + rpc_timeout_, [&](grpc::ClientContext* ctx) {
+    // Asked again after a failure: for what is left of the wait.
+    *req.mutable_timeout() = ToProtoDuration(std::max(until - absl::Now(), absl::Milliseconds(1)));
+    return stub_->KvWait(ctx, req, &resp);
+  }));
   if (static_cast<size_t>(resp.values_size()) != keys.size()) {
     return absl::DataLossError(absl::StrCat("the coordinator answered a wait for ", keys.size(), " keys with ",
                                             resp.values_size(), " values"));

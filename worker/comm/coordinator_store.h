@@ -19,7 +19,10 @@ class CoordinatorStore final : public Store {
  public:
   // `scope` is the job generation's rendezvous scope (AssignJobRequest.
   // rendezvous_scope). Each Set/Get carries `rpc_timeout`; a Wait carries its
-  // own timeout plus `rpc_timeout` of slack for the transport.
+  // own timeout plus `rpc_timeout` of slack for the transport. Within that
+  // deadline a call waits for the coordinator to be reachable and is made
+  // again where it fails UNAVAILABLE (a lost connection, a store full for
+  // now).
   // `auth_token` (if not empty) is sent as the bearer token of every call,
   // `worker_key` (if not empty) as the worker's key (common/auth.h): the
   // coordinator takes a placed job's scope only from its workers.
@@ -38,8 +41,12 @@ class CoordinatorStore final : public Store {
 
  private:
   // `call` on a context with `deadline`, the token and key, cancelled if
-  // the abort fires; the abort's reason where it fired.
+  // the abort fires; the abort's reason where it fired. Made again while it
+  // fails UNAVAILABLE and the deadline allows, after kFirstRetryWait,
+  // doubling up to kMaxRetryWait (an abort ends the wait).
   absl::Status Call(absl::Time deadline, const std::function<grpc::Status(grpc::ClientContext*)>& call);
+  static constexpr absl::Duration kFirstRetryWait = absl::Milliseconds(50);
+  static constexpr absl::Duration kMaxRetryWait = absl::Seconds(2);
 
   const std::shared_ptr<v1::CoordinatorService::StubInterface> stub_;
   const std::string scope_;

@@ -2,10 +2,17 @@
 // gRPC. Ranks are threads.
 #include "worker/comm/store.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cstdlib>
 #include <filesystem>
 #include <thread>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
@@ -160,6 +167,72 @@ TEST(CoordinatorStore, AnAbortEndsAWaitInFlightAtOnce) {
   auto got = other.Get("k");
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(*got, "v");
+}
+
+// A free loopback port, as bound and let go now.
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// A coordinator not reachable for a moment (restarting, a network blip)
+// does not fail the rank's rendezvous: the call waits for it within its
+// deadline. Before, the first refused connection failed the call, and with
+// it the job's generation.
+TEST(CoordinatorStore, ACoordinatorThatComesBackWithinTheDeadlineIsWaitedFor) {
+  const std::string address = absl::StrCat("127.0.0.1:", FreePort());
+  std::shared_ptr<v1::CoordinatorService::StubInterface> stub =
+      v1::CoordinatorService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  CoordinatorStore store(stub, "job-1/gen-1", absl::Seconds(30));
+  absl::Status set;
+  std::thread rank([&] { set = store.Set("k", "v"); });
+  absl::SleepFor(absl::Seconds(1));
+  Coordinator::Options o;
+  o.listen = address;
+  o.data_dir = testing::TempPath("coord_late");
+  o.store_any_scope = true;
+  auto coordinator = Coordinator::Start(o);
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status();
+  rank.join();
+  EXPECT_TRUE(set.ok()) << set;
+  auto got = store.Get("k");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, "v");
+}
+
+// A store full for now (other jobs' keys, freed as their generations end)
+// is asked again within the deadline: one job's rendezvous cannot fail
+// another's for good. Past the deadline the call fails UNAVAILABLE, which
+// restarts the job.
+TEST(CoordinatorStore, AFullStoreIsAskedAgainUntilThereIsRoom) {
+  Coordinator::Options o;
+  o.data_dir = testing::TempPath("coord_full");
+  o.store_any_scope = true;
+  o.store_quota_bytes = 100000;
+  auto coordinator = Coordinator::Start(o);
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status();
+  std::shared_ptr<v1::CoordinatorService::StubInterface> stub = v1::CoordinatorService::NewStub(
+      grpc::CreateChannel((*coordinator)->address(), grpc::InsecureChannelCredentials()));
+  CoordinatorStore other_job(stub, "job-2/gen-1", absl::Seconds(30));
+  ASSERT_TRUE(other_job.Set("big", std::string(80000, 'x')).ok());
+  CoordinatorStore quick(stub, "job-1/gen-1", absl::Milliseconds(500));
+  const absl::Status full = quick.Set("k", std::string(50000, 'y'));
+  EXPECT_EQ(full.code(), absl::StatusCode::kUnavailable) << full;
+  EXPECT_TRUE(absl::StrContains(full.message(), "--store-quota")) << full;
+  CoordinatorStore store(stub, "job-1/gen-1", absl::Seconds(30));
+  absl::Status set;
+  std::thread rank([&] { set = store.Set("k", std::string(50000, 'y')); });
+  absl::SleepFor(absl::Seconds(1));
+  ASSERT_TRUE(other_job.Set("big", "small now").ok());  // room again
+  rank.join();
+  EXPECT_TRUE(set.ok()) << set;
 }
 
 TEST(FileStore, RefusesAnUncreatableDirectory) {
