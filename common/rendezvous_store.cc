@@ -94,6 +94,7 @@ absl::Status RendezvousStore::Set(absl::string_view scope, absl::string_view key
 absl::StatusOr<std::string> RendezvousStore::Get(absl::string_view scope, absl::string_view key) {
   RETURN_IF_ERROR(ValidateScopeKey(scope, key));
   absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(OpenLocked(scope));  // a generation that ended is read no more
   auto it = kv_.find({std::string(scope), std::string(key)});
   if (it == kv_.end()) {
     return absl::NotFoundError(absl::StrCat("key '", key, "' is not set in scope '", scope, "'"));
@@ -120,6 +121,13 @@ absl::StatusOr<std::vector<std::string>> RendezvousStore::Wait(absl::string_view
   if (keys.size() > kMaxWaitKeys) {
     return absl::InvalidArgumentError(
         absl::StrCat("keys: ", keys.size(), " is over the limit of ", kMaxWaitKeys, " in one wait"));
+  }
+  // What a blocked wait holds, outside the store's quota, is bounded too.
+  size_t key_bytes = 0;
+  for (const std::string& k : keys) key_bytes += k.size();
+  if (key_bytes > kMaxWaitKeyBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("keys: ", key_bytes, " bytes of keys is over the limit of ", kMaxWaitKeyBytes, " in one wait"));
   }
   for (const std::string& k : keys) RETURN_IF_ERROR(ValidateScopeKey(scope, k));
   {

@@ -52,6 +52,9 @@ class RendezvousStore {
   static constexpr size_t kMaxValueBytes = (4 << 20) - (64 << 10);
   static constexpr absl::Duration kMaxTimeout = absl::Minutes(30);
   static constexpr size_t kMaxWaitKeys = 4096;
+  // The keys one wait names, together: what a blocked wait holds (for up to
+  // kMaxTimeout) outside max_bytes.
+  static constexpr size_t kMaxWaitKeyBytes = 256 << 10;
   static constexpr int64_t kMaxWaitReplyBytes = kMaxValueBytes;
   // What the store counts for each key or barrier besides its bytes: the
   // map's node, the strings' headers.
@@ -61,7 +64,8 @@ class RendezvousStore {
   explicit RendezvousStore(RendezvousStoreLimits limits = {}) : limits_(limits) {}
 
   absl::Status Set(absl::string_view scope, absl::string_view key, std::string value);
-  // NOT_FOUND if unset.
+  // NOT_FOUND if unset; as Set for a scope that is not open (CANCELLED once
+  // its generation was cancelled or ended).
   absl::StatusOr<std::string> Get(absl::string_view scope, absl::string_view key);
   // Wait and Barrier look at `gone` (a gRPC caller that went away: its
   // call was cancelled) every kGoneSlice while they block, and return
@@ -70,6 +74,7 @@ class RendezvousStore {
   // The values of `keys` once all are set. DEADLINE_EXCEEDED after `timeout`
   // naming the missing keys; CANCELLED after Close(). INVALID_ARGUMENT for
   // no keys, more than kMaxWaitKeys or a key named twice;
+  // INVALID_ARGUMENT too for keys of more than kMaxWaitKeyBytes together;
   // RESOURCE_EXHAUSTED when the values total over kMaxWaitReplyBytes.
   absl::StatusOr<std::vector<std::string>> Wait(absl::string_view scope,
                                                 const std::vector<std::string>& keys,

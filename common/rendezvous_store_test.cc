@@ -19,7 +19,7 @@ TEST(RendezvousStore, SetGetAndScopes) {
   EXPECT_EQ(*s.Get("job-1/gen-1", "addr/0"), "10.0.0.1:1234");
   EXPECT_EQ(s.Get("job-1/gen-2", "addr/0").status().code(), absl::StatusCode::kNotFound);
   s.DeleteScope("job-1/gen-1");
-  EXPECT_EQ(s.Get("job-1/gen-1", "addr/0").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(s.Get("job-1/gen-1", "addr/0").status().code(), absl::StatusCode::kCancelled);  // ended
   EXPECT_EQ(s.Set("", "k", "v").code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(s.Set("s", "", "v").code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(s.Set("s", "k", std::string(RendezvousStore::kMaxValueBytes + 1, 'x')).code(),
@@ -158,6 +158,7 @@ TEST(RendezvousStore, CancelScopeWakesItsWaitersOnly) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
   EXPECT_EQ(s.Set("job/gen-1", "k", "v").code(), absl::StatusCode::kCancelled);
   EXPECT_EQ(s.Wait("job/gen-1", {"k"}, absl::Seconds(1)).status().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(s.Get("job/gen-1", "rank-1").status().code(), absl::StatusCode::kCancelled);
   EXPECT_EQ(*s.Get("other", "k"), "v");
   EXPECT_EQ((*s.Wait("other", {"k"}, absl::Seconds(1)))[0], "v");
   s.DeleteScope("job/gen-1");
@@ -251,6 +252,12 @@ TEST(RendezvousStore, AWaitIsBoundedInKeysAndReplyBytes) {
   for (size_t i = 0; i <= RendezvousStore::kMaxWaitKeys; ++i) many.push_back(std::to_string(i));
   r = s.Wait("sc", many, t);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  // Keys of 1 KiB, 300 of them: over the bytes one wait may name.
+  std::vector<std::string> long_keys;
+  for (int i = 0; i < 300; ++i) long_keys.push_back(absl::StrCat(i, std::string(1000, 'k')));
+  r = s.Wait("sc", long_keys, t);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("bytes of keys is over the limit"), absl::string_view::npos) << r.status();
   r = s.Wait("sc", {"big", "small"}, t);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
   EXPECT_NE(r.status().message().find("wait for fewer keys"), absl::string_view::npos) << r.status();
