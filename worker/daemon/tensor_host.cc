@@ -29,6 +29,17 @@ absl::StatusOr<v1::TensorLayout> TensorHost::LayoutLocked(const std::string& nam
   return layout;
 }
 
+TensorHost::Reservation::~Reservation() {
+  if (bytes_ == 0) return;
+  absl::MutexLock lock(&host_->mu_);
+  host_->held_bytes_ -= bytes_;
+}
+
+void TensorHost::Reservation::KeepLocked(int64_t kept) {
+  host_->held_bytes_ -= bytes_ - kept;
+  bytes_ = 0;
+}
+
 absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorRequest& req) {
   if (req.name().empty()) return absl::InvalidArgumentError("name: required");
   if (req.name().size() > kMaxNameBytes) {
@@ -59,28 +70,27 @@ absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorReques
     if (!checked.has_value()) return absl::InvalidArgumentError("random.shape: its bytes overflow int64");
     bytes = *checked;
   }
-  // With its bookkeeping (a size near 2^63 fits no budget: kept there).
+  // While it is made, the whole value (read or drawn) and the rank's copy
+  // of its part (up to the whole, replicated) are held together: twice its
+  // size, plus its bookkeeping (a size near 2^63 fits no budget: kept there).
+  const int64_t data_bytes = bytes;
   bytes = bytes > std::numeric_limits<int64_t>::max() - Cost(0, req.name()) ? std::numeric_limits<int64_t>::max()
                                                                              : Cost(bytes, req.name());
+  const int64_t making = bytes > std::numeric_limits<int64_t>::max() - data_bytes ? std::numeric_limits<int64_t>::max()
+                                                                                  : bytes + data_bytes;
   {
     absl::MutexLock lock(&mu_);
     if (closed_) return absl::UnavailableError("the job's rank has stopped");
-    if (bytes > budget_bytes_ - held_bytes_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "tensor '", req.name(), "' would take ", bytes, " bytes; this rank's tensors hold ", held_bytes_,
-          " of the ", budget_bytes_, " it may use (the worker's memory): delete some first"));
+    if (making > budget_bytes_ - held_bytes_) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("tensor '", req.name(), "' would take ", bytes, " bytes, and ", making,
+                       " while it is made (the whole value beside this rank's part); this rank's tensors hold ",
+                       held_bytes_, " of the ", budget_bytes_, " it may use (the worker's memory): delete some first"));
     }
-    held_bytes_ += bytes;
+    held_bytes_ += making;
   }
-  struct Reservation {  // given back unless the tensor is stored
-    TensorHost* host;
-    int64_t bytes;
-    ~Reservation() {
-      if (bytes == 0) return;
-      absl::MutexLock lock(&host->mu_);
-      host->held_bytes_ -= bytes;
-    }
-  } reservation{this, bytes};
+  // Given back unless the tensor is stored; the value's copy once it is made.
+  Reservation reservation(this, making);
   Tensor global;
   switch (req.init_case()) {
     case v1::CreateTensorRequest::kValue: {
@@ -131,7 +141,7 @@ absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorReques
   absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(taken());  // a Create of the same name may have come first
   Entry& e = tensors_.emplace(req.name(), Entry{*std::move(t), next_id_++, bytes, req.creation_id()}).first->second;
-  reservation.bytes = 0;  // held by the entry now
+  reservation.KeepLocked(bytes);  // held by the entry now; the rest given back
   return LayoutLocked(req.name(), e);
 }
 
@@ -161,7 +171,7 @@ absl::Status AnswerFits(const Shape& shape, DType dtype, absl::string_view what,
 }  // namespace
 
 absl::Status TensorHost::AgreeOnEveryRank(const std::string& call, const std::string& name,
-                                          const absl::StatusOr<Entry>& found) {
+                                          const absl::StatusOr<Entry>& found, bool room) {
   std::string what = absl::StrCat(call, "|", name, "|");
   if (found.ok()) {
     const ColoTensor& t = found->tensor;
@@ -171,9 +181,14 @@ absl::Status TensorHost::AgreeOnEveryRank(const std::string& call, const std::st
     absl::StrAppend(&what, "absent");
   }
   const uint64_t mine = Fingerprint(what);
-  // Four 16-bit pieces (exact in f32), then the disagreement seen so far.
-  std::vector<float> values = {static_cast<float>(mine & 0xffff), static_cast<float>((mine >> 16) & 0xffff),
-                               static_cast<float>((mine >> 32) & 0xffff), static_cast<float>(mine >> 48), 0};
+  // Four 16-bit pieces (exact in f32), then the disagreement seen so far,
+  // then whether a rank seen so far lacks room.
+  std::vector<float> values = {static_cast<float>(mine & 0xffff),
+                               static_cast<float>((mine >> 16) & 0xffff),
+                               static_cast<float>((mine >> 32) & 0xffff),
+                               static_cast<float>(mine >> 48),
+                               0,
+                               room ? 0.0f : 1.0f};
   // One pass over the axes tells every rank: after axis k, a rank's flag is
   // whether the ranks of its slice over axes 1..k differ (its group along
   // k holds one rank of each slice over 1..k-1: a flag there, or two
@@ -190,7 +205,14 @@ absl::Status TensorHost::AgreeOnEveryRank(const std::string& call, const std::st
       if (theirs.size() != values.size()) return absl::InternalError("a fingerprint of another size");
       if (!std::equal(values.begin(), values.begin() + 4, theirs.begin())) values[4] = 1;
       values[4] = std::max(values[4], theirs[4]);
+      values[5] = std::max(values[5], theirs[5]);
     }
+  }
+  if (values[4] == 0 && values[5] != 0 && found.ok()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("a rank of the job lacks the room ", call, " of tensor '", name,
+                     "' needs for its temporaries (twice the tensor's size beside it; this rank ",
+                     room ? "has it" : "lacks it", "): delete some tensors first; it did not run"));
   }
   if (values[4] == 0) return found.ok() ? absl::OkStatus() : found.status();
   return absl::FailedPreconditionError(absl::StrCat(
@@ -219,7 +241,22 @@ absl::StatusOr<v1::TensorLayout> TensorHost::SetDistSpec(const v1::SetDistSpecRe
   absl::MutexLock order(&collective_mu_);
   RETURN_IF_ERROR(OpenForCollectives());
   const absl::StatusOr<Entry> found = Snapshot(req.name());
-  RETURN_IF_ERROR(AgreeOnEveryRank(absl::StrCat("SetDistSpec to ", spec.ToString()), req.name(), found));
+  // The conversion's temporaries (the pieces it gathers and its result, up
+  // to the whole tensor each, beside the part it has), reserved before the
+  // collective: a rank without that room says so in the agreement, and
+  // every rank refuses, rather than one failing (or being killed) alone
+  // inside the collective.
+  const int64_t temporaries = found.ok() && found->bytes <= std::numeric_limits<int64_t>::max() / 2
+                                  ? 2 * found->bytes
+                                  : std::numeric_limits<int64_t>::max();
+  bool room = false;
+  {
+    absl::MutexLock lock(&mu_);
+    room = !found.ok() || temporaries <= budget_bytes_ - held_bytes_;
+    if (room && found.ok()) held_bytes_ += temporaries;
+  }
+  const Reservation reserved(this, room && found.ok() ? temporaries : 0);
+  RETURN_IF_ERROR(AgreeOnEveryRank(absl::StrCat("SetDistSpec to ", spec.ToString()), req.name(), found, room));
   const Entry& current = *found;
   NoGradScope no_grad;
   ASSIGN_OR_RETURN(ColoTensor next, current.tensor.Redistribute(spec));  // the collective, without the map's lock
@@ -259,7 +296,8 @@ absl::StatusOr<v1::TensorValue> TensorHost::GetGlobal(const std::string& name, b
   absl::MutexLock order(&collective_mu_);
   RETURN_IF_ERROR(OpenForCollectives());
   const absl::StatusOr<Entry> found = Snapshot(name);
-  RETURN_IF_ERROR(AgreeOnEveryRank("GetGlobal", name, found));
+  // (Its temporaries are bounded by kMaxValueBytes, checked below.)
+  RETURN_IF_ERROR(AgreeOnEveryRank("GetGlobal", name, found, /*room=*/true));
   // Alike on every rank (agreed above): every rank refuses it.
   RETURN_IF_ERROR(AnswerFits(found->tensor.global_shape(), found->tensor.local().dtype(),
                              absl::StrCat("tensor '", name, "' whole is "),

@@ -34,7 +34,9 @@ class TensorHost {
   // `pg` is the rank's process group and must outlive the host; tensors
   // live on `device`. The tensors held together may take `budget_bytes`
   // (each counted at its global size, which every rank materializes once,
-  // plus Cost's bookkeeping).
+  // plus Cost's bookkeeping), with what the calls in progress hold besides:
+  // a Create the whole value beside the part, a SetDistSpec twice the
+  // tensor.
   TensorHost(ProcessGroup* pg, Device device, int64_t budget_bytes)
       : pg_(pg), device_(device), budget_bytes_(budget_bytes) {}
 
@@ -64,7 +66,9 @@ class TensorHost {
   // Collective. NOT_FOUND for an unknown name. Before the collective every
   // rank checks that all the mesh's ranks hold the tensor alike and were
   // asked the same (AgreeOnEveryRank): FAILED_PRECONDITION on every rank
-  // where they do not.
+  // where they do not; and that each has the budget for the conversion's
+  // temporaries (twice the tensor's counted size, held while it runs):
+  // RESOURCE_EXHAUSTED on every rank where one lacks it.
   absl::StatusOr<v1::TensorLayout> SetDistSpec(const v1::SetDistSpecRequest& request)
       ABSL_LOCKS_EXCLUDED(collective_mu_, mu_);
   // This rank's shard. INVALID_ARGUMENT unless request.rank is this rank.
@@ -91,6 +95,21 @@ class TensorHost {
   void Close() ABSL_LOCKS_EXCLUDED(collective_mu_, mu_);
 
  private:
+  // Bytes of the budget held (held_bytes_) for an operation, given back
+  // when it goes out of scope, unless kept.
+  class Reservation {
+   public:
+    Reservation(TensorHost* host, int64_t bytes) : host_(host), bytes_(bytes) {}
+    Reservation(const Reservation&) = delete;
+    Reservation& operator=(const Reservation&) = delete;
+    ~Reservation() ABSL_LOCKS_EXCLUDED(host_->mu_);
+    // Keeps `kept` of the bytes held (a tensor stored), gives the rest back.
+    void KeepLocked(int64_t kept) ABSL_EXCLUSIVE_LOCKS_REQUIRED(host_->mu_);
+
+   private:
+    TensorHost* const host_;
+    int64_t bytes_;
+  };
   struct Entry {
     ColoTensor tensor;  // its ComputeSpec carries the request's compute_pattern
     uint64_t id = 0;    // which Create made it
@@ -118,8 +137,11 @@ class TensorHost {
   // rank refused (its budget), or a client called a worker directly. OK, or
   // FAILED_PRECONDITION on every rank naming this rank's tensor; `found`'s
   // error where every rank lacks the tensor.
-  absl::Status AgreeOnEveryRank(const std::string& call, const std::string& name,
-                                const absl::StatusOr<Entry>& found) ABSL_EXCLUSIVE_LOCKS_REQUIRED(collective_mu_);
+  // `room`: whether this rank has the budget the call's temporaries need;
+  // where a rank lacks it (and they agree otherwise), RESOURCE_EXHAUSTED on
+  // every rank.
+  absl::Status AgreeOnEveryRank(const std::string& call, const std::string& name, const absl::StatusOr<Entry>& found,
+                                bool room) ABSL_EXCLUSIVE_LOCKS_REQUIRED(collective_mu_);
 
   ProcessGroup* const pg_;
   const Device device_;
