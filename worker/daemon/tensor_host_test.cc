@@ -20,6 +20,17 @@
 namespace colod {
 namespace {
 
+// Tensor "w": [4, 6] of N(0, 1) from seed 7, its rows split over tp 2.
+v1::CreateTensorRequest SeededW() {
+  v1::CreateTensorRequest create;
+  create.set_name("w");
+  create.mutable_random()->set_seed(7);
+  create.mutable_random()->add_shape(4);
+  create.mutable_random()->add_shape(6);
+  *create.mutable_dist_spec() = DistSpecToProto(DistSpec().Set("tp", Placement::Shard({0}, {2})));
+  return create;
+}
+
 // The tensors a rank holds are bounded by its budget (the worker's memory),
 // each counted at its global size and its bookkeeping (TensorHost::Cost:
 // an empty or tiny tensor is not free): one that would pass it is refused
@@ -143,12 +154,7 @@ TEST(TensorHost, ItsCallsDoNotWaitForACollectiveInProgressAndTheCollectivesGiveT
   ASSERT_TRUE(want.ok()) << want.status();
   testing::RunMesh(testing::TpDpMesh(2), [&](int rank, ProcessGroup& pg) {
     TensorHost host(&pg, Device::Cpu(), int64_t{1} << 30);
-    v1::CreateTensorRequest create;
-    create.set_name("w");
-    create.mutable_random()->set_seed(7);
-    create.mutable_random()->add_shape(4);
-    create.mutable_random()->add_shape(6);
-    *create.mutable_dist_spec() = DistSpecToProto(DistSpec().Set("tp", Placement::Shard({0}, {2})));
+    const v1::CreateTensorRequest create = SeededW();
     ASSERT_TRUE(host.Create(create).ok());
     v1::GetShardRequest shard;
     shard.set_name("w");
@@ -319,12 +325,7 @@ TEST(TensorHost, AConversionARankHasNoRoomForIsRefusedOnEveryRank) {
   testing::RunMesh(testing::TpDpMesh(2), [&](int rank, ProcessGroup& pg) {
     // Rank 1 has room to make the tensor, not to convert it.
     TensorHost host(&pg, Device::Cpu(), rank == 1 ? tensor + 4 * 6 * 4 : int64_t{1} << 30);
-    v1::CreateTensorRequest create;
-    create.set_name("w");
-    create.mutable_random()->set_seed(7);
-    create.mutable_random()->add_shape(4);
-    create.mutable_random()->add_shape(6);
-    *create.mutable_dist_spec() = DistSpecToProto(DistSpec().Set("tp", Placement::Shard({0}, {2})));
+    const v1::CreateTensorRequest create = SeededW();
     ASSERT_TRUE(host.Create(create).ok());
     v1::SetDistSpecRequest replicate;
     replicate.set_name("w");
