@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/int_math.h"
 #include "common/status_macros.h"
+#include "worker/colo/redistribute.h"
 #include "worker/colo/tensor_collectives.h"
 #include "worker/colo/tensor_proto.h"
 #include "worker/tensor/autograd.h"
@@ -70,6 +71,21 @@ absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorReques
     if (!checked.has_value()) return absl::InvalidArgumentError("random.shape: its bytes overflow int64");
     bytes = *checked;
   }
+  // The spec against the shape before anything is drawn or reserved: a
+  // malformed request costs nothing (a tensor of gigabytes drawn only to
+  // be refused would cost minutes on every rank).
+  const Shape shape = req.init_case() == v1::CreateTensorRequest::kValue
+                          ? Shape(req.value().shape().begin(), req.value().shape().end())
+                          : random_shape;
+  if (req.init_case() != v1::CreateTensorRequest::INIT_NOT_SET) {
+    absl::StatusOr<DistSpec> normalized = NormalizeSpec(spec, pg_->mesh(), static_cast<int64_t>(shape.size()));
+    absl::Status fits = normalized.ok() ? CheckDivisible(*normalized, shape) : normalized.status();
+    if (!fits.ok()) return absl::InvalidArgumentError(absl::StrCat("dist_spec: ", fits.message()));
+  }
+  if (req.init_case() == v1::CreateTensorRequest::kRandom && !IsFloat(random_dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("random.dtype: ", DTypeName(random_dtype), " is not a float dtype a random init draws"));
+  }
   // While it is made, the whole value (read or drawn) and the rank's copy
   // of its part (up to the whole, replicated) are held together: twice its
   // size, plus its bookkeeping (a size near 2^63 fits no budget: kept there).
@@ -81,6 +97,9 @@ absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorReques
   {
     absl::MutexLock lock(&mu_);
     if (closed_) return absl::UnavailableError("the job's rank has stopped");
+    // (A create of a name taken is that, whatever the budget: a retry while
+    // the first still runs is told again below, once it stored it.)
+    if (tensors_.count(req.name())) return absl::AlreadyExistsError(absl::StrCat("tensor '", req.name(), "' exists"));
     if (making > budget_bytes_ - held_bytes_) {
       return absl::ResourceExhaustedError(
           absl::StrCat("tensor '", req.name(), "' would take ", bytes, " bytes, and ", making,

@@ -73,6 +73,23 @@ TEST(TensorHost, TensorsAreBoundedByTheBudgetBeforeAnythingIsAllocated) {
     EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted) << full.status();
     EXPECT_NE(full.status().message().find(absl::StrCat("hold ", cost(200) + cost(240), " of")), std::string::npos)
         << full.status();
+    // A name taken is ALREADY_EXISTS whatever the budget (a retry of a
+    // create that went through), and a spec that does not fit the shape,
+    // or an integer random init, is refused naming the field before
+    // anything is drawn, however large.
+    EXPECT_EQ(host.Create(random("c", {10, 5})).status().code(), absl::StatusCode::kAlreadyExists);
+    v1::CreateTensorRequest misfit = random("g", {int64_t{1} << 20, int64_t{1} << 19});
+    *misfit.mutable_dist_spec() = DistSpecToProto(DistSpec().Set("tp", Placement::Shard({2}, {1})));
+    const absl::Time start = absl::Now();
+    const absl::Status bad_spec = host.Create(misfit).status();
+    EXPECT_EQ(bad_spec.code(), absl::StatusCode::kInvalidArgument) << bad_spec;
+    EXPECT_TRUE(absl::StrContains(bad_spec.message(), "dist_spec: ")) << bad_spec;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+    v1::CreateTensorRequest ints = random("i", {1});
+    ints.mutable_random()->set_dtype(v1::DTYPE_I64);
+    const absl::Status int_init = host.Create(ints).status();
+    EXPECT_EQ(int_init.code(), absl::StatusCode::kInvalidArgument) << int_init;
+    EXPECT_TRUE(absl::StrContains(int_init.message(), "random.dtype: ")) << int_init;
     ASSERT_TRUE(host.Delete("b").ok());
     // 1000 bytes and one tensor's bookkeeping free: one tiny tensor fits, a
     // second is refused for its bookkeeping alone.
