@@ -132,10 +132,6 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
   const auto connect = [&](size_t i, grpc::ClientContext* c) {
     const v1::RankAssignment& a = mesh.ranks(ranks[i]);
     if (options_.worker_key_to_call) AddWorkerKey(*c, options_.worker_key_to_call(a.worker_id()));
-    // A worker not connected this moment (a blip) is waited for, within the
-    // deadline, not failed at once: its peers would wait in the collective
-    // for it until their timeout, and the job's group break.
-    c->set_wait_for_ready(true);
     stubs[i] = stubs_.Get(a.worker_address());
   };
   const auto start = [&](size_t i, grpc::ClientContext* c, std::function<void(grpc::Status)> done) {
@@ -163,9 +159,16 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
                           stubs[at[k]]->async()->DeleteTensor(c, &del, &deleted[k], std::move(done));
                         });
       const size_t gone = static_cast<size_t>(absl::c_count_if(deletes, [](const absl::Status& s) { return s.ok(); }));
-      undone = gone == at.size() ? absl::StrCat("; the ", gone, " ranks that made it deleted it again")
-                                 : absl::StrCat("; of the ", at.size(), " ranks that made it, ", at.size() - gone,
-                                                " could not delete it again: delete it");
+      // A rank whose answer did not come (past the deadline, its connection
+      // lost) may have made it all the same: its ranks then differ, which
+      // their collectives refuse (the creation id), never mix.
+      const bool unknown = absl::c_any_of(statuses, [](const absl::Status& s) {
+        return absl::IsDeadlineExceeded(s) || absl::IsUnavailable(s) || absl::IsCancelled(s) || absl::IsUnknown(s);
+      });
+      undone = absl::StrCat(gone == at.size() ? absl::StrCat("; the ", gone, " ranks that made it deleted it again")
+                                              : absl::StrCat("; of the ", at.size(), " ranks that made it, ",
+                                                             at.size() - gone, " could not delete it again"),
+                            gone < at.size() || unknown ? ": delete it to be sure no rank holds it" : "");
     }
   }
   EndTurn(job_id);
@@ -187,10 +190,11 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
     const std::string where = absl::StrCat("rank ", a.rank(), " (worker ", a.worker_id(), " at ", a.worker_address(),
                                            "): ", s.message(), undone);
     // A job cancelled or placed again while the call ran aborts its ranks
-    // (ABORTED, UNAVAILABLE, CANCELLED from the workers): the answer is the
+    // (ABORTED, UNAVAILABLE, CANCELLED from the workers; DEADLINE_EXCEEDED
+    // from one that stopped answering): the answer is the
     // job's state, as for a call that came after it. A rank's own error
     // (the collective's, where the call broke the group) is passed on.
-    if (!absl::IsAborted(s) && !absl::IsUnavailable(s) && !absl::IsCancelled(s)) {
+    if (!absl::IsAborted(s) && !absl::IsUnavailable(s) && !absl::IsCancelled(s) && !absl::IsDeadlineExceeded(s)) {
       return absl::Status(s.code(), where);
     }
     absl::StatusOr<v1::Job> now = jobs_->Get(job_id);
@@ -208,7 +212,12 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
     }
     return absl::Status(s.code(), where);
   }
-  *resp = std::move(responses[0]);
+  // Rank 0's (the answer carrying a gather's value), or the one rank's.
+  size_t answer = 0;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (mesh.ranks(ranks[i]).rank() == 0) answer = i;
+  }
+  *resp = std::move(responses[answer]);
   return absl::OkStatus();
 }
 

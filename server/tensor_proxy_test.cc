@@ -35,6 +35,9 @@ class SlowWorker final : public v1::TensorService::Service {
     }
     // Made on rank 0, refused on rank 1 (its budget).
     if (req->name() == "half-made" && rank == 1) return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "full");
+    // Rank 0 held one of that name before (an earlier delete reached only
+    // rank 1): its tensor must be left alone.
+    if (req->name() == "held-before" && rank == 0) return grpc::Status(grpc::StatusCode::ALREADY_EXISTS, "exists");
     // Rank 0 fails for its peer's failure (a collective's), rank 1 for its own.
     if (req->name() == "peer-failed") {
       return rank == 0 ? grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "waited for the peer")
@@ -320,6 +323,15 @@ TEST(TensorProxy, APartlyFailedCallLeavesTheRanksAlikeAndNamesTheCause) {
     EXPECT_EQ(two.workers[0].deleted, std::vector<std::string>{"half-made"});
     EXPECT_TRUE(two.workers[1].deleted.empty());
   }
+  s = create("held-before");
+  EXPECT_EQ(s.code(), absl::StatusCode::kAlreadyExists) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "rank 0 ")) << s;
+  {
+    absl::MutexLock lock0(&two.workers[0].mu);
+    absl::MutexLock lock1(&two.workers[1].mu);
+    EXPECT_EQ(two.workers[0].deleted, std::vector<std::string>{"half-made"}) << "rank 0's own tensor was deleted";
+    EXPECT_EQ(two.workers[1].deleted, std::vector<std::string>{"held-before"});
+  }
   EXPECT_TRUE(remove("half-gone").ok());
   s = create("peer-failed");
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
@@ -329,9 +341,9 @@ TEST(TensorProxy, APartlyFailedCallLeavesTheRanksAlikeAndNamesTheCause) {
   absl::MutexLock lock1(&two.workers[1].mu);
   const std::vector<uint64_t>& ids = two.workers[0].creation_ids;
   EXPECT_EQ(ids, two.workers[1].creation_ids);
-  ASSERT_EQ(ids.size(), 3u);
+  ASSERT_EQ(ids.size(), 4u);
   EXPECT_NE(ids[0], 0u);
-  EXPECT_EQ(std::set<uint64_t>(ids.begin(), ids.end()).size(), 3u);
+  EXPECT_EQ(std::set<uint64_t>(ids.begin(), ids.end()).size(), 4u);
 }
 
 // A call whose job is cancelled, or placed again, while it runs on the

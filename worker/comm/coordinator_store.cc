@@ -25,6 +25,7 @@ CoordinatorStore::CoordinatorStore(std::shared_ptr<v1::CoordinatorService::StubI
 absl::Status CoordinatorStore::Call(absl::Time deadline,
                                     const std::function<grpc::Status(grpc::ClientContext*)>& call) {
   absl::Duration backoff = kFirstRetryWait;
+  absl::Status unavailable;  // the last refusal, which a last ask cut short by the deadline must not hide
   for (;;) {
     absl::Status s;
     {
@@ -43,12 +44,19 @@ absl::Status CoordinatorStore::Call(absl::Time deadline,
       cancel.reset();  // before ctx goes
     }
     if (!s.ok() && abort_ != nullptr && abort_->fired()) return abort_->Check();
+    // (The call's own deadline: a Wait's keys that never came are answered
+    // DEADLINE_EXCEEDED by the coordinator before it, and say so.)
+    if (absl::IsDeadlineExceeded(s) && !unavailable.ok() && absl::Now() >= deadline) {
+      return absl::UnavailableError(
+          absl::StrCat(unavailable.message(), " (asked again until the call's deadline: ", s.message(), ")"));
+    }
     // UNAVAILABLE: a connection lost in the call, a coordinator shutting
     // down, or a store full for now (other jobs' scopes are freed as their
     // generations end). Every call here may be made again: a Set writes the
     // same value, a Get or a Wait reads.
     const absl::Duration left = deadline - absl::Now();
     if (!absl::IsUnavailable(s) || left <= absl::ZeroDuration()) return s;
+    unavailable = s;
     const absl::Duration wait = std::min(backoff, left);
     if (abort_ != nullptr) {
       absl::Notification woken;
@@ -58,7 +66,7 @@ absl::Status CoordinatorStore::Call(absl::Time deadline,
     } else {
       absl::SleepFor(wait);
     }
-    if (absl::Now() >= deadline) return s;
+    if (absl::Now() >= deadline) return unavailable;
     backoff = std::min(backoff * 2, kMaxRetryWait);
   }
 }

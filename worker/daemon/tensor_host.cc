@@ -24,8 +24,8 @@ absl::StatusOr<TensorHost::Entry*> TensorHost::FindLocked(const std::string& nam
 }
 
 absl::StatusOr<v1::TensorLayout> TensorHost::LayoutLocked(const std::string& name, const Entry& e) {
-  ASSIGN_OR_RETURN(v1::TensorLayout layout, DescribeLayout(name, e.tensor.local().dtype(), e.tensor.global_shape(),
-                                                           e.tensor.spec(), pg_->mesh()));
+  ASSIGN_OR_RETURN(v1::TensorLayout layout,
+                   DescribeLayout(name, e.tensor.local().dtype(), e.tensor.global_shape(), e.tensor.spec(), mesh_));
   layout.set_compute_pattern(ComputePatternToProto(e.tensor.compute_spec().pattern));
   return layout;
 }
@@ -78,7 +78,7 @@ absl::StatusOr<v1::TensorLayout> TensorHost::Create(const v1::CreateTensorReques
                           ? Shape(req.value().shape().begin(), req.value().shape().end())
                           : random_shape;
   if (req.init_case() != v1::CreateTensorRequest::INIT_NOT_SET) {
-    absl::StatusOr<DistSpec> normalized = NormalizeSpec(spec, pg_->mesh(), static_cast<int64_t>(shape.size()));
+    absl::StatusOr<DistSpec> normalized = NormalizeSpec(spec, mesh_, static_cast<int64_t>(shape.size()));
     absl::Status fits = normalized.ok() ? CheckDivisible(*normalized, shape) : normalized.status();
     if (!fits.ok()) return absl::InvalidArgumentError(absl::StrCat("dist_spec: ", fits.message()));
   }
@@ -194,25 +194,29 @@ absl::Status TensorHost::AgreeOnEveryRank(const std::string& call, const std::st
   std::string what = absl::StrCat(call, "|", name, "|");
   if (found.ok()) {
     const ColoTensor& t = found->tensor;
-    absl::StrAppend(&what, DTypeName(t.local().dtype()), "|", ShapeToString(t.global_shape()), "|", t.spec().ToString(),
-                    "|", found->creation_id);
+    absl::StrAppend(&what, DTypeName(t.local().dtype()), "|", ShapeToString(t.global_shape()), "|",
+                    t.spec().ToString());
+    // Only where set: a worker from before the field (or a coordinator that
+    // sets none) fingerprints without it, and ranks of both still agree.
+    if (found->creation_id != 0) absl::StrAppend(&what, "|", found->creation_id);
   } else {
     absl::StrAppend(&what, "absent");
   }
   const uint64_t mine = Fingerprint(what);
-  // Four 16-bit pieces (exact in f32), then the disagreement seen so far,
-  // then whether a rank seen so far lacks room.
-  std::vector<float> values = {static_cast<float>(mine & 0xffff),
-                               static_cast<float>((mine >> 16) & 0xffff),
-                               static_cast<float>((mine >> 32) & 0xffff),
-                               static_cast<float>(mine >> 48),
-                               0,
-                               room ? 0.0f : 1.0f};
+  // Four 16-bit pieces (exact in f32), then the verdict so far, the max
+  // of the ranks': 0 alike, kNoRoom a rank lacks room, 1 they differ. Five
+  // floats, as before the room was agreed: a worker from before it gathers
+  // as many (pieces of two sizes would abort a Gloo worker), and reads any
+  // verdict but 0 as a refusal.
+  constexpr float kNoRoom = 0.5f;
+  std::vector<float> values = {static_cast<float>(mine & 0xffff), static_cast<float>((mine >> 16) & 0xffff),
+                               static_cast<float>((mine >> 32) & 0xffff), static_cast<float>(mine >> 48),
+                               room ? 0.0f : kNoRoom};
   // One pass over the axes tells every rank: after axis k, a rank's flag is
   // whether the ranks of its slice over axes 1..k differ (its group along
   // k holds one rank of each slice over 1..k-1: a flag there, or two
   // fingerprints that differ, where each of those slices agrees within).
-  for (const MeshAxis& axis : pg_->mesh().axes()) {
+  for (const MeshAxis& axis : mesh_.axes()) {
     if (axis.size < 2) continue;
     ASSIGN_OR_RETURN(Communicator * comm, pg_->Comm(axis.name));
     ASSIGN_OR_RETURN(Tensor here, Tensor::FromFloats({static_cast<int64_t>(values.size())}, values));
@@ -224,13 +228,12 @@ absl::Status TensorHost::AgreeOnEveryRank(const std::string& call, const std::st
       if (theirs.size() != values.size()) return absl::InternalError("a fingerprint of another size");
       if (!std::equal(values.begin(), values.begin() + 4, theirs.begin())) values[4] = 1;
       values[4] = std::max(values[4], theirs[4]);
-      values[5] = std::max(values[5], theirs[5]);
     }
   }
-  if (values[4] == 0 && values[5] != 0 && found.ok()) {
+  if (values[4] == kNoRoom && found.ok()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("a rank of the job lacks the room ", call, " of tensor '", name,
-                     "' needs for its temporaries (twice the tensor's size beside it; this rank ",
+                     "' needs for its temporaries (twice its part after the conversion; this rank ",
                      room ? "has it" : "lacks it", "): delete some tensors first; it did not run"));
   }
   if (values[4] == 0) return found.ok() ? absl::OkStatus() : found.status();
@@ -265,9 +268,22 @@ absl::StatusOr<v1::TensorLayout> TensorHost::SetDistSpec(const v1::SetDistSpecRe
   // collective: a rank without that room says so in the agreement, and
   // every rank refuses, rather than one failing (or being killed) alone
   // inside the collective.
-  const int64_t temporaries = found.ok() && found->bytes <= std::numeric_limits<int64_t>::max() / 2
-                                  ? 2 * found->bytes
-                                  : std::numeric_limits<int64_t>::max();
+  // Its result and the pieces it gathers for it: twice this rank's part
+  // after the conversion (the part before it is counted already, at the
+  // tensor's global size). A spec that does not fit is refused by the
+  // conversion on every rank alike, and reserves nothing.
+  int64_t temporaries = 0;
+  if (found.ok()) {
+    const Shape& global = found->tensor.global_shape();
+    absl::StatusOr<DistSpec> target = NormalizeSpec(spec, mesh_, static_cast<int64_t>(global.size()));
+    if (target.ok() && CheckDivisible(*target, global).ok()) {
+      const std::optional<int64_t> part =
+          CheckedBytes(LocalShape(*target, global), static_cast<int64_t>(SizeOf(found->tensor.local().dtype())));
+      temporaries = part.has_value() && *part <= std::numeric_limits<int64_t>::max() / 2
+                        ? 2 * *part
+                        : std::numeric_limits<int64_t>::max();
+    }
+  }
   bool room = false;
   {
     absl::MutexLock lock(&mu_);
@@ -294,15 +310,14 @@ absl::StatusOr<v1::GetShardResponse> TensorHost::GetShard(const v1::GetShardRequ
   {
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(Entry * e, FindLocked(req.name()));  // UNAVAILABLE once closed: the group may be gone
-    if (req.rank() != pg_->rank()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("rank: this worker holds rank ", pg_->rank(), ", not ", req.rank()));
+    if (req.rank() != rank_) {
+      return absl::InvalidArgumentError(absl::StrCat("rank: this worker holds rank ", rank_, ", not ", req.rank()));
     }
     ASSIGN_OR_RETURN(v1::TensorLayout layout, LayoutLocked(req.name(), *e));
-    *resp.mutable_layout() = layout.shards(pg_->rank());
+    *resp.mutable_layout() = layout.shards(rank_);
     local = e->tensor.local();
     RETURN_IF_ERROR(AnswerFits(local.shape(), local.dtype(),
-                               absl::StrCat("rank ", pg_->rank(), "'s shard of tensor '", req.name(), "' is "),
+                               absl::StrCat("rank ", rank_, "'s shard of tensor '", req.name(), "' is "),
                                "reshard it over more ranks"));
   }
   // The copy to the host waits for the device (on CUDA behind a collective

@@ -38,7 +38,7 @@ class TensorHost {
   // a Create the whole value beside the part, a SetDistSpec twice the
   // tensor.
   TensorHost(ProcessGroup* pg, Device device, int64_t budget_bytes)
-      : pg_(pg), device_(device), budget_bytes_(budget_bytes) {}
+      : pg_(pg), rank_(pg->rank()), mesh_(pg->mesh()), device_(device), budget_bytes_(budget_bytes) {}
 
   // A tensor name's bytes at most.
   static constexpr size_t kMaxNameBytes = 256;
@@ -78,8 +78,9 @@ class TensorHost {
   // and answers with an empty value (GetGlobalRequest.value_on_rank_zero_only).
   absl::StatusOr<v1::TensorValue> GetGlobal(const std::string& name, bool answer = true)
       ABSL_LOCKS_EXCLUDED(collective_mu_, mu_);
-  // The rank of the job's mesh this host is.
-  int rank() const { return pg_->rank(); }
+  // The rank of the job's mesh this host is (a copy: usable once the group
+  // is gone).
+  int rank() const { return rank_; }
   absl::StatusOr<v1::TensorLayout> Describe(const std::string& name);
   // The layouts of the tensors named after `after` (all: ""), in name
   // order, as many as kMaxListBytes of them holds (one at least);
@@ -143,7 +144,11 @@ class TensorHost {
   absl::Status AgreeOnEveryRank(const std::string& call, const std::string& name, const absl::StatusOr<Entry>& found,
                                 bool room) ABSL_EXCLUSIVE_LOCKS_REQUIRED(collective_mu_);
 
+  // Used only where the group is known to be alive: under collective_mu_
+  // after OpenForCollectives, or within a Create that Close waits for.
   ProcessGroup* const pg_;
+  const int rank_;
+  const DeviceMesh mesh_;  // the group's, copied: checks before any use of the group
   const Device device_;
   // Held across a collective call; taken before mu_.
   absl::Mutex collective_mu_ ABSL_ACQUIRED_BEFORE(mu_);

@@ -332,11 +332,12 @@ TEST(TensorHost, RanksThatDoNotHoldATensorAlikeRefuseItsCollectivesOnEveryRank) 
   }
 }
 
-// A conversion's temporaries count against the budget while it runs: where
-// one rank lacks the room, every rank refuses it (RESOURCE_EXHAUSTED, in the
+// A conversion's temporaries (twice the rank's part after it) count
+// against the budget while it runs, and are given back after it: where one
+// rank lacks the room, every rank refuses it (RESOURCE_EXHAUSTED, in the
 // agreement before any data moves), rather than that rank failing alone in
 // the collective, or the worker being killed for its memory; the tensor is
-// kept as it was, and converts once there is room.
+// kept as it was.
 TEST(TensorHost, AConversionARankHasNoRoomForIsRefusedOnEveryRank) {
   const int64_t tensor = TensorHost::Cost(4 * 6 * 4, "w");
   testing::RunMesh(testing::TpDpMesh(2), [&](int rank, ProcessGroup& pg) {
@@ -344,6 +345,16 @@ TEST(TensorHost, AConversionARankHasNoRoomForIsRefusedOnEveryRank) {
     TensorHost host(&pg, Device::Cpu(), rank == 1 ? tensor + 4 * 6 * 4 : int64_t{1} << 30);
     const v1::CreateTensorRequest create = SeededW();
     ASSERT_TRUE(host.Create(create).ok());
+    // To columns and back: each needs twice a half (96 bytes), which rank 1
+    // has, and has again after the first gave its reservation back.
+    for (const int dim : {1, 0}) {
+      v1::SetDistSpecRequest shard;
+      shard.set_name("w");
+      *shard.mutable_dist_spec() = DistSpecToProto(DistSpec().Set("tp", Placement::Shard({dim}, {2})));
+      const absl::StatusOr<v1::TensorLayout> moved = host.SetDistSpec(shard);
+      ASSERT_TRUE(moved.ok()) << "to dim " << dim << ": " << moved.status();
+    }
+    // Replicated, its part is the whole: twice that is more than rank 1 has.
     v1::SetDistSpecRequest replicate;
     replicate.set_name("w");
     *replicate.mutable_dist_spec() = DistSpecToProto(DistSpec::Replicate());
@@ -353,8 +364,7 @@ TEST(TensorHost, AConversionARankHasNoRoomForIsRefusedOnEveryRank) {
     const absl::StatusOr<v1::TensorLayout> kept = host.Describe("w");
     ASSERT_TRUE(kept.ok()) << kept.status();
     EXPECT_EQ(kept->shards(rank).shape(0), 2) << "the tensor changed";
-    // The gather needs no such room (its answer is bounded), and the
-    // refusal gave its reservation back: the gather gives the whole.
+    // The gather needs no such room (its answer is bounded).
     const absl::StatusOr<v1::TensorValue> whole = host.GetGlobal("w");
     ASSERT_TRUE(whole.ok()) << whole.status();
     host.Close();

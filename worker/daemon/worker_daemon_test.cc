@@ -627,7 +627,7 @@ TEST(WorkerDaemon, AnAssignmentOfAnAbortedOrOlderGenerationIsRefused) {
   // numbers its jobs from 1 again) is not this job's: it stops nothing.
   ASSERT_TRUE(runner.Assign(generation(3)).ok());
   EXPECT_EQ(abort(3, "0badcafe").code(), absl::StatusCode::kNotFound);
-  EXPECT_FALSE(runner.WaitIdle(absl::Milliseconds(200))) << "another job's abort stopped the rank";
+  EXPECT_FALSE(runner.WaitIdle(absl::Seconds(2))) << "another job's abort stopped the rank";
   ASSERT_TRUE(abort(3).ok());
   ASSERT_TRUE(runner.WaitIdle(absl::Seconds(30)));
   // A rank that ended is not started again by a very late repeat of its
