@@ -127,6 +127,19 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
   // next fan-out, in the order they arrived, starts once they all ended
   // (each within `deadline`). No lock is held meanwhile.
   RETURN_IF_ERROR(AwaitTurn(job_id, ctx, std::min(client, absl::Now() + options_.rpc_timeout)));
+  {
+    // The job as it is now that the turn came: one that ended, or was
+    // placed again, while the call waited is answered as a call after that
+    // (the ranks it was meant for hold its tensors no more), not sent to
+    // workers that run it no longer.
+    const absl::StatusOr<v1::Job> now = RunningTensorJob(job_id);
+    if (!now.ok() || now->generation() != job->generation()) {
+      EndTurn(job_id);
+      if (!now.ok()) return now.status();
+      return absl::FailedPreconditionError(absl::StrCat("job '", job_id, "' was placed again while the call waited ",
+                                                        "for its turn: its new ranks hold none of its tensors"));
+    }
+  }
   const absl::Time deadline = absl::Now() + options_.rpc_timeout;
   const AuthToken& token = options_.worker_token.empty() ? options_.auth_token : options_.worker_token;
   const auto connect = [&](size_t i, grpc::ClientContext* c) {

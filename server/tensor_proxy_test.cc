@@ -405,24 +405,55 @@ TEST(TensorProxy, ACallWhoseJobStopsUnderItAnswersTheJobsState) {
   EXPECT_EQ(own.error_code(), grpc::StatusCode::ALREADY_EXISTS) << own.error_message();
 
   // Placed again (a restart) and running anew: its new ranks hold nothing.
-  const grpc::Status moved = call_while(
-      "aborted",
-      [&](const std::string& id) {
-        EXPECT_TRUE(jobs.Restart(id, "a worker was lost", "restarting").ok());
-        v1::MeshSpec mesh;
-        v1::RankAssignment& a = *mesh.add_ranks();
-        a.set_rank(0);
-        a.set_worker_id("worker-9");
-        a.set_worker_address("127.0.0.1:9");
-        EXPECT_TRUE(jobs.Schedule(id, mesh).ok());
-        EXPECT_TRUE(jobs.SetState(id, v1::JOB_STATE_RUNNING, "serving").ok());
-      },
-      &rank);
+  const auto place_again = [&](const std::string& id) {
+    EXPECT_TRUE(jobs.Restart(id, "a worker was lost", "restarting").ok());
+    v1::MeshSpec mesh;
+    v1::RankAssignment& a = *mesh.add_ranks();
+    a.set_rank(0);
+    a.set_worker_id("worker-9");
+    a.set_worker_address("127.0.0.1:9");
+    EXPECT_TRUE(jobs.Schedule(id, mesh).ok());
+    EXPECT_TRUE(jobs.SetState(id, v1::JOB_STATE_RUNNING, "serving").ok());
+  };
+  const grpc::Status moved = call_while("aborted", place_again, &rank);
   EXPECT_EQ(moved.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << moved.error_message();
   EXPECT_NE(moved.error_message().find("was placed again while the call ran: its new ranks hold none of its "
                                        "tensors (rank 0 (worker worker-0 at " + rank + "): the rank was aborted)"),
             std::string::npos)
       << moved.error_message();
+
+  // A call queued behind that one while the job is placed again, or
+  // cancelled, is answered so when its turn comes, and sent to no worker.
+  for (const bool restart : {true, false}) {
+    std::string queued_at;
+    grpc::Status queued(grpc::StatusCode::UNKNOWN, "not run");
+    std::thread second;
+    const auto replace_then_queue = [&](const std::string& id) {
+      second = std::thread([&, id] {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+        v1::CreateTensorRequest req;
+        req.set_job_id(id);
+        req.set_name("queued");
+        v1::CreateTensorResponse resp;
+        queued = stub->CreateTensor(&ctx, req, &resp);
+      });
+      for (int i = 0; i < 200 && proxy.QueuedJobs() == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+      absl::SleepFor(absl::Milliseconds(100));  // it waits for its turn
+      if (restart) {
+        place_again(id);
+      } else {
+        EXPECT_TRUE(jobs.Cancel(id, "done with it").ok());
+      }
+    };
+    (void)call_while("slow", replace_then_queue, &queued_at);
+    second.join();
+    EXPECT_EQ(queued.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << queued.error_message();
+    EXPECT_NE(
+        queued.error_message().find(restart ? "was placed again while the call waited for its turn" : "is cancelled"),
+        std::string::npos)
+        << queued.error_message();
+  }
   proxy_server->Shutdown();
 }
 
