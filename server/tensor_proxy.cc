@@ -79,6 +79,14 @@ size_t TensorProxy::QueuedJobs() const {
   return queues_.size();
 }
 
+int64_t TensorProxy::CallsWaiting(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = queues_.find(job_id);
+  if (it == queues_.end()) return 0;
+  const JobQueue& q = it->second;
+  return std::max<int64_t>(0, q.next_ticket - q.serving - 1 - static_cast<int64_t>(q.abandoned.size()));
+}
+
 void TensorProxy::EndTurn(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
   auto it = queues_.find(job_id);

@@ -61,6 +61,8 @@ class TensorProxy final : public v1::TensorService::Service {
   // How many jobs have a tensor call waiting or running: what the proxy
   // holds for them, nothing once their calls ended.
   size_t QueuedJobs() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The calls on `job_id` waiting for their turn behind the one that runs.
+  int64_t CallsWaiting(const std::string& job_id) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // A worker registered at `address` anew: the next call there connects
   // afresh (StubCache::Forget).

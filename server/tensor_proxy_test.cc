@@ -438,8 +438,8 @@ TEST(TensorProxy, ACallWhoseJobStopsUnderItAnswersTheJobsState) {
         v1::CreateTensorResponse resp;
         queued = stub->CreateTensor(&ctx, req, &resp);
       });
-      for (int i = 0; i < 200 && proxy.QueuedJobs() == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
-      absl::SleepFor(absl::Milliseconds(100));  // it waits for its turn
+      for (int i = 0; i < 2000 && proxy.CallsWaiting(id) == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+      EXPECT_EQ(proxy.CallsWaiting(id), 1) << "the second call is not waiting for its turn";
       if (restart) {
         place_again(id);
       } else {
@@ -447,7 +447,7 @@ TEST(TensorProxy, ACallWhoseJobStopsUnderItAnswersTheJobsState) {
       }
     };
     (void)call_while("slow", replace_then_queue, &queued_at);
-    second.join();
+    if (second.joinable()) second.join();
     EXPECT_EQ(queued.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << queued.error_message();
     EXPECT_NE(
         queued.error_message().find(restart ? "was placed again while the call waited for its turn" : "is cancelled"),

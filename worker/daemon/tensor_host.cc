@@ -233,7 +233,8 @@ absl::Status TensorHost::AgreeOnEveryRank(const std::string& call, const std::st
   if (values[4] == kNoRoom && found.ok()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("a rank of the job lacks the room ", call, " of tensor '", name,
-                     "' needs for its temporaries (twice its part after the conversion; this rank ",
+                     "' needs for its temporaries (at each step of it, the part it starts from and twice the "
+                     "part after it; this rank ",
                      room ? "has it" : "lacks it", "): delete some tensors first; it did not run"));
   }
   if (values[4] == 0) return found.ok() ? absl::OkStatus() : found.status();
@@ -258,32 +259,40 @@ absl::StatusOr<TensorHost::Entry> TensorHost::Snapshot(const std::string& name) 
   return *e;
 }
 
+int64_t TensorHost::ConversionBytes(const ColoTensor& t, const DistSpec& target) {
+  // A plan that cannot be made is refused by the conversion on every rank
+  // alike, before any data moves: it reserves nothing.
+  absl::StatusOr<std::vector<RedistributeStep>> plan = t.Plan(target);
+  if (!plan.ok()) return 0;
+  const Shape& global = t.global_shape();
+  const int64_t element = static_cast<int64_t>(SizeOf(t.local().dtype()));
+  DistSpec at = t.spec();
+  // The part a step starts from (the tensor's own, first: counted already)
+  // and, beside it, its result and the pieces it gathers for it, each up to
+  // the part after the step. (A plan may gather to the whole and then cut:
+  // its middle steps hold the most.)
+  int64_t before = 0, most = 0;
+  for (const RedistributeStep& step : *plan) {
+    at.Set(step.axis, step.to);
+    const std::optional<int64_t> after = CheckedBytes(LocalShape(at, global), element);
+    const std::optional<int64_t> twice = after.has_value() ? CheckedMul(*after, 2) : std::nullopt;
+    const std::optional<int64_t> held = twice.has_value() ? CheckedAdd(before, *twice) : std::nullopt;
+    if (!held.has_value()) return std::numeric_limits<int64_t>::max();
+    most = std::max(most, *held);
+    before = *after;
+  }
+  return most;
+}
+
 absl::StatusOr<v1::TensorLayout> TensorHost::SetDistSpec(const v1::SetDistSpecRequest& req) {
   ASSIGN_OR_RETURN(DistSpec spec, DistSpecFromProto(req.dist_spec()));
   absl::MutexLock order(&collective_mu_);
   RETURN_IF_ERROR(OpenForCollectives());
   const absl::StatusOr<Entry> found = Snapshot(req.name());
-  // The conversion's temporaries (the pieces it gathers and its result, up
-  // to the whole tensor each, beside the part it has), reserved before the
-  // collective: a rank without that room says so in the agreement, and
-  // every rank refuses, rather than one failing (or being killed) alone
-  // inside the collective.
-  // Its result and the pieces it gathers for it: twice this rank's part
-  // after the conversion (the part before it is counted already, at the
-  // tensor's global size). A spec that does not fit is refused by the
-  // conversion on every rank alike, and reserves nothing.
-  int64_t temporaries = 0;
-  if (found.ok()) {
-    const Shape& global = found->tensor.global_shape();
-    absl::StatusOr<DistSpec> target = NormalizeSpec(spec, mesh_, static_cast<int64_t>(global.size()));
-    if (target.ok() && CheckDivisible(*target, global).ok()) {
-      const std::optional<int64_t> part =
-          CheckedBytes(LocalShape(*target, global), static_cast<int64_t>(SizeOf(found->tensor.local().dtype())));
-      temporaries = part.has_value() && *part <= std::numeric_limits<int64_t>::max() / 2
-                        ? 2 * *part
-                        : std::numeric_limits<int64_t>::max();
-    }
-  }
+  // The conversion's temporaries, reserved before the collective: a rank
+  // without that room says so in the agreement, and every rank refuses,
+  // rather than one failing (or being killed) alone inside the collective.
+  const int64_t temporaries = found.ok() ? ConversionBytes(found->tensor, spec) : 0;
   bool room = false;
   {
     absl::MutexLock lock(&mu_);

@@ -35,8 +35,8 @@ class TensorHost {
   // live on `device`. The tensors held together may take `budget_bytes`
   // (each counted at its global size, which every rank materializes once,
   // plus Cost's bookkeeping), with what the calls in progress hold besides:
-  // a Create the whole value beside the part, a SetDistSpec twice the
-  // tensor.
+  // a Create the whole value beside the part, a SetDistSpec what its steps
+  // hold (ConversionBytes).
   TensorHost(ProcessGroup* pg, Device device, int64_t budget_bytes)
       : pg_(pg), rank_(pg->rank()), mesh_(pg->mesh()), device_(device), budget_bytes_(budget_bytes) {}
 
@@ -67,8 +67,8 @@ class TensorHost {
   // rank checks that all the mesh's ranks hold the tensor alike and were
   // asked the same (AgreeOnEveryRank): FAILED_PRECONDITION on every rank
   // where they do not; and that each has the budget for the conversion's
-  // temporaries (twice the tensor's counted size, held while it runs):
-  // RESOURCE_EXHAUSTED on every rank where one lacks it.
+  // temporaries (ConversionBytes, held while it runs): RESOURCE_EXHAUSTED
+  // on every rank where one lacks it.
   absl::StatusOr<v1::TensorLayout> SetDistSpec(const v1::SetDistSpecRequest& request)
       ABSL_LOCKS_EXCLUDED(collective_mu_, mu_);
   // This rank's shard. INVALID_ARGUMENT unless request.rank is this rank.
@@ -118,6 +118,11 @@ class TensorHost {
     uint64_t creation_id = 0;  // CreateTensorRequest.creation_id: which of the job's creates
   };
   absl::StatusOr<Entry*> FindLocked(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The most a conversion of `t` to `target` holds at once besides `t`'s
+  // own part: over the steps of its plan, the part a step starts from and
+  // twice the part after it (its result and the pieces gathered for it);
+  // 0 for a conversion that cannot be planned (refused alike everywhere).
+  static int64_t ConversionBytes(const ColoTensor& t, const DistSpec& target);
   // UNAVAILABLE once closed. Called under collective_mu_, which Close takes
   // to close: OK means the process group stays until that lock is let go
   // (a collective on a closed host would run on a group that is gone).

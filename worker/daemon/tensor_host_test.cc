@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -367,6 +368,44 @@ TEST(TensorHost, AConversionARankHasNoRoomForIsRefusedOnEveryRank) {
     // The gather needs no such room (its answer is bounded).
     const absl::StatusOr<v1::TensorValue> whole = host.GetGlobal("w");
     ASSERT_TRUE(whole.ok()) << whole.status();
+    host.Close();
+  });
+}
+
+// A conversion's reservation follows its plan: on tp x dp, rows over tp and
+// columns over dp to the other way round gathers to the whole and then cuts
+// (2.5 times the tensor at its middle step, beside the part it starts
+// from), which twice the final quarter would undercount; a conversion of
+// one step (columns gathered over dp) reserves only what it holds.
+TEST(TensorHost, AConversionReservesWhatItsPlansStepsHold) {
+  const int64_t data = 8 * 8 * 4;
+  const int64_t tensor = TensorHost::Cost(data, "w");
+  const auto spec = [](int64_t tp_dim, std::optional<int64_t> dp_dim) {
+    DistSpec s;
+    s.Set("tp", Placement::Shard({tp_dim}, {2}));
+    if (dp_dim.has_value()) s.Set("dp", Placement::Shard({*dp_dim}, {2}));
+    return DistSpecToProto(s);
+  };
+  testing::RunMesh(testing::TpDpMesh(2, 2), [&](int, ProcessGroup& pg) {
+    // After the create: room for twice the whole, not for 2.5 times.
+    TensorHost host(&pg, Device::Cpu(), tensor + 2 * data);
+    v1::CreateTensorRequest create;
+    create.set_name("w");
+    create.mutable_random()->set_seed(5);
+    create.mutable_random()->add_shape(8);
+    create.mutable_random()->add_shape(8);
+    *create.mutable_dist_spec() = spec(0, 1);
+    ASSERT_TRUE(host.Create(create).ok());
+    v1::SetDistSpecRequest set;
+    set.set_name("w");
+    *set.mutable_dist_spec() = spec(0, std::nullopt);  // columns gathered over dp: one step
+    const absl::StatusOr<v1::TensorLayout> gathered = host.SetDistSpec(set);
+    ASSERT_TRUE(gathered.ok()) << gathered.status();
+    *set.mutable_dist_spec() = spec(0, 1);
+    ASSERT_TRUE(host.SetDistSpec(set).ok());
+    *set.mutable_dist_spec() = spec(1, 0);  // through the whole
+    const absl::StatusOr<v1::TensorLayout> swapped = host.SetDistSpec(set);
+    EXPECT_EQ(swapped.status().code(), absl::StatusCode::kResourceExhausted) << swapped.status();
     host.Close();
   });
 }
