@@ -486,19 +486,14 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::OpenAnyIds(const std::
   }
   ASSIGN_OR_RETURN(const int64_t bytes, RegularFileSize(path));
   if (format == DataFormat::kNpy) {
-    ASSIGN_OR_RETURN(const NpyInfo info, ReadNpyInfo(path));
-    if (!info.integer) {
+    ASSIGN_OR_RETURN(const NpyFootprint npy, NpyFootprintOf(path));
+    if (!npy.info.integer) {
       return absl::InvalidArgumentError(
-          absl::StrCat(path, ": token arrays must hold integers (<i8, <i4, <u2, <u4), not '", info.descr, "'"));
+          absl::StrCat(path, ": token arrays must hold integers (<i8, <i4, <u2, <u4), not '", npy.info.descr, "'"));
     }
     // At the peak: what ReadNpy holds, or the tensor it returns and the
     // tokens taken from it.
-    const int64_t tokens = std::min(info.elements, bytes / info.element_bytes);
-    const std::optional<int64_t> read = NpyReadPeakBytes(info, bytes);
-    const std::optional<int64_t> taken = CheckedMul(tokens, 8 + info.tensor_element_bytes);
-    RETURN_IF_ERROR(FitsInMemory(path, bytes, read.has_value() && taken.has_value()
-                                                  ? std::optional<int64_t>(std::max(*read, *taken))
-                                                  : std::nullopt));
+    RETURN_IF_ERROR(FitsInMemory(path, bytes, MaxBytes(npy.read, SumBytes(npy.tensor, CheckedMul(npy.elements, 8)))));
     ASSIGN_OR_RETURN(Tensor t, ReadNpy(path));
     ASSIGN_OR_RETURN(c->owned_, t.ReadInt64s());
     c->size_ = static_cast<int64_t>(c->owned_.size());
