@@ -10,7 +10,9 @@
 #include <thread>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -342,6 +344,23 @@ bool CarriesWorkerKey(const grpc::ServerContext& ctx, absl::string_view key) {
 
 void AddWorkerKey(grpc::ClientContext& ctx, const std::string& key) {
   if (!key.empty()) ctx.AddMetadata(kWorkerKeyMetadata, key);
+}
+
+void AddJobGeneration(grpc::ClientContext& ctx, int64_t generation) {
+  ctx.AddMetadata(kJobGenerationMetadata, absl::StrCat(generation));
+}
+
+absl::StatusOr<std::optional<int64_t>> JobGenerationOf(const grpc::ServerContext& ctx) {
+  const auto& md = ctx.client_metadata();
+  auto it = md.find(kJobGenerationMetadata);
+  if (it == md.end()) return std::optional<int64_t>();
+  const absl::string_view text(it->second.data(), it->second.size());
+  int64_t generation = 0;
+  if (!absl::SimpleAtoi(text, &generation) || generation < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kJobGenerationMetadata, ": not a generation: '", absl::CHexEscape(text.substr(0, 32)), "'"));
+  }
+  return std::optional<int64_t>(generation);
 }
 
 absl::Status WorkerKey::CheckNotOther(const grpc::ServerContext& ctx) const {

@@ -15,6 +15,7 @@
 #include "common/clock.h"
 #include "common/grpc_server.h"
 #include "common/net.h"
+#include "grpcpp/channel.h"
 #include "grpcpp/security/credentials.h"
 
 namespace colod {
@@ -43,8 +44,17 @@ class StubCache {
         clock_(clock) {}
 
   std::shared_ptr<Stub> Get(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_) {
+    return GetWithChannel(address).stub;
+  }
+
+  // The stub of `address` and its channel (to ask whether it is connected).
+  struct StubAndChannel {
+    std::shared_ptr<Stub> stub;
+    std::shared_ptr<grpc::Channel> channel;
+  };
+  StubAndChannel GetWithChannel(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_) {
     const absl::Time now = clock_->Now();
-    std::vector<std::shared_ptr<Stub>> dropped;  // closed after the lock is released
+    std::vector<StubAndChannel> dropped;  // closed after the lock is released
     absl::MutexLock lock(&mu_);
     // A sweep at most every idle / 4: lookups stay O(log n) however many
     // addresses there are.
@@ -55,14 +65,17 @@ class StubCache {
           ++it;
           continue;
         }
-        dropped.push_back(std::move(it->second.stub));
+        dropped.push_back(std::move(it->second.handle));
         it = entries_.erase(it);
       }
     }
     Entry& e = entries_[address];
-    if (e.stub == nullptr) e.stub = Service::NewStub(CreateKeepaliveChannel(DialTarget(address), credentials_));
+    if (e.handle.stub == nullptr) {
+      e.handle.channel = CreateKeepaliveChannel(DialTarget(address), credentials_);
+      e.handle.stub = Service::NewStub(e.handle.channel);
+    }
     e.last_used = now;
-    return e.stub;
+    return e.handle;
   }
 
   // Drops the stub of `address`, if any: the next Get makes a new channel.
@@ -72,11 +85,11 @@ class StubCache {
   // on it would fail at once for that long. Calls in flight on the old stub
   // go on (their holders keep it).
   void Forget(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_) {
-    std::shared_ptr<Stub> dropped;  // closed after the lock is released
+    StubAndChannel dropped;  // closed after the lock is released
     absl::MutexLock lock(&mu_);
     const auto it = entries_.find(address);
     if (it == entries_.end()) return;
-    dropped = std::move(it->second.stub);
+    dropped = std::move(it->second.handle);
     entries_.erase(it);
   }
 
@@ -88,7 +101,7 @@ class StubCache {
 
  private:
   struct Entry {
-    std::shared_ptr<Stub> stub;
+    StubAndChannel handle;
     absl::Time last_used;
   };
   const std::shared_ptr<grpc::ChannelCredentials> credentials_;

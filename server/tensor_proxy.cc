@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -12,6 +13,7 @@
 #include "common/grpc_server.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
+#include "grpcpp/channel.h"
 #include "grpcpp/create_channel.h"
 #include "server/rpc_metrics.h"
 #include "server/worker_client.h"
@@ -148,12 +150,63 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
                                                         "for its turn: its new ranks hold none of its tensors"));
     }
   }
+  // Where a rank's error follows from the job's end or new placement under
+  // the call, the answer is the job's state, as for a call after it.
+  const auto stopped_under = [&](const std::string& where) -> std::optional<absl::Status> {
+    absl::StatusOr<v1::Job> now = jobs_->Get(job_id);
+    if (!now.ok()) {
+      return absl::Status(now.status().code(), absl::StrCat(now.status().message(), "; the call met ", where));
+    }
+    if (now->state() != v1::JOB_STATE_RUNNING) {
+      return absl::FailedPreconditionError(absl::StrCat("job '", job_id, "' is ", JobStateName(now->state()),
+                                                        ", no longer running: its ranks stopped while the call ran (",
+                                                        where, ")"));
+    }
+    if (now->generation() != job->generation()) {
+      return absl::FailedPreconditionError(absl::StrCat("job '", job_id, "' was placed again while the call ran: ",
+                                                        "its new ranks hold none of its tensors (", where, ")"));
+    }
+    return std::nullopt;
+  };
+  const auto rank_at = [&](size_t i) {
+    const v1::RankAssignment& a = mesh.ranks(ranks[i]);
+    return absl::StrCat("rank ", a.rank(), " (worker ", a.worker_id(), " at ", a.worker_address(), ")");
+  };
+  // Every rank's worker is connected before a call goes to any: a worker
+  // that is not (a blip: its connection is made again within
+  // connect_timeout) would fail its call at once, while its peers waited
+  // for it in their collective until the group's timeout, which breaks the
+  // job's group. A worker that stays unreachable gets the call nowhere.
+  std::vector<std::shared_ptr<grpc::Channel>> channels(ranks.size());
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    auto handle = stubs_.GetWithChannel(mesh.ranks(ranks[i]).worker_address());
+    stubs[i] = std::move(handle.stub);
+    channels[i] = std::move(handle.channel);
+    channels[i]->GetState(/*try_to_connect=*/true);  // all connect at once
+  }
+  const absl::Time connect_by = absl::Now() + std::min(options_.connect_timeout, options_.rpc_timeout);
+  std::vector<size_t> unreachable;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (!channels[i]->WaitForConnected(absl::ToChronoTime(connect_by))) unreachable.push_back(i);
+  }
+  if (!unreachable.empty()) {
+    EndTurn(job_id);
+    const std::string where =
+        absl::StrCat(rank_at(unreachable[0]), " could not be reached within ",
+                     absl::FormatDuration(std::min(options_.connect_timeout, options_.rpc_timeout)),
+                     unreachable.size() > 1 ? absl::StrCat(" (nor ", unreachable.size() - 1, " more ranks)") : "",
+                     "; the call was sent to no rank");
+    if (std::optional<absl::Status> state = stopped_under(where)) return *state;
+    return absl::UnavailableError(where);
+  }
   const absl::Time deadline = absl::Now() + options_.rpc_timeout;
   const AuthToken& token = options_.worker_token.empty() ? options_.auth_token : options_.worker_token;
   const auto connect = [&](size_t i, grpc::ClientContext* c) {
     const v1::RankAssignment& a = mesh.ranks(ranks[i]);
     if (options_.worker_key_to_call) AddWorkerKey(*c, options_.worker_key_to_call(a.worker_id()));
-    stubs[i] = stubs_.Get(a.worker_address());
+    // The worker refuses a call meant for another generation than the one
+    // it runs: a placement made since the job was looked at above.
+    AddJobGeneration(*c, job->generation());
   };
   const auto start = [&](size_t i, grpc::ClientContext* c, std::function<void(grpc::Status)> done) {
     connect(i, c);
@@ -206,10 +259,8 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
   });
   for (const size_t i : order) {
     if (statuses[i].ok()) continue;
-    const v1::RankAssignment& a = mesh.ranks(ranks[i]);
     const absl::Status& s = statuses[i];
-    const std::string where = absl::StrCat("rank ", a.rank(), " (worker ", a.worker_id(), " at ", a.worker_address(),
-                                           "): ", s.message(), undone);
+    const std::string where = absl::StrCat(rank_at(i), ": ", s.message(), undone);
     // A job cancelled or placed again while the call ran aborts its ranks
     // (ABORTED, UNAVAILABLE, CANCELLED from the workers; DEADLINE_EXCEEDED
     // from one that stopped answering): the answer is the
@@ -218,19 +269,7 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
     if (!absl::IsAborted(s) && !absl::IsUnavailable(s) && !absl::IsCancelled(s) && !absl::IsDeadlineExceeded(s)) {
       return absl::Status(s.code(), where);
     }
-    absl::StatusOr<v1::Job> now = jobs_->Get(job_id);
-    if (!now.ok()) {
-      return absl::Status(now.status().code(), absl::StrCat(now.status().message(), "; the call met ", where));
-    }
-    if (now->state() != v1::JOB_STATE_RUNNING) {
-      return absl::FailedPreconditionError(absl::StrCat("job '", job_id, "' is ", JobStateName(now->state()),
-                                                        ", no longer running: its ranks stopped while the call ran (",
-                                                        where, ")"));
-    }
-    if (now->generation() != job->generation()) {
-      return absl::FailedPreconditionError(absl::StrCat("job '", job_id, "' was placed again while the call ran: ",
-                                                        "its new ranks hold none of its tensors (", where, ")"));
-    }
+    if (std::optional<absl::Status> state = stopped_under(where)) return *state;
     return absl::Status(s.code(), where);
   }
   // Rank 0's (the answer carrying a gather's value), or the one rank's.

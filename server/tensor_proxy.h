@@ -45,6 +45,9 @@ class TensorProxy final : public v1::TensorService::Service {
     WorkerKeyToCall worker_key_to_call;
     // Deadline of each call to a worker, unless the client's is sooner.
     absl::Duration rpc_timeout = absl::Seconds(60);
+    // How long a call waits for every rank's worker to be connected before
+    // it is sent to any (UNAVAILABLE, sent nowhere, past it).
+    absl::Duration connect_timeout = absl::Seconds(5);
   };
   // RPCs are recorded in `metrics`' colod_rpc_duration_seconds.
   TensorProxy(JobManager* jobs, prometheus::Registry* metrics, Options options);

@@ -2,6 +2,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -12,6 +13,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "colod/v1/tensor.grpc.pb.h"
+#include "common/auth.h"
 #include "common/grpc_status.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -26,12 +28,14 @@ namespace {
 // then fail.
 class SlowWorker final : public v1::TensorService::Service {
  public:
-  grpc::Status CreateTensor(grpc::ServerContext*, const v1::CreateTensorRequest* req,
+  grpc::Status CreateTensor(grpc::ServerContext* ctx, const v1::CreateTensorRequest* req,
                             v1::CreateTensorResponse*) override {
     {
       absl::MutexLock lock(&mu);
       names.push_back(req->name());
       creation_ids.push_back(req->creation_id());
+      const absl::StatusOr<std::optional<int64_t>> generation = JobGenerationOf(*ctx);
+      generations.push_back(generation.ok() && generation->has_value() ? **generation : -1);
     }
     // Made on rank 0, refused on rank 1 (its budget).
     if (req->name() == "half-made" && rank == 1) return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "full");
@@ -78,6 +82,7 @@ class SlowWorker final : public v1::TensorService::Service {
   std::vector<std::string> names ABSL_GUARDED_BY(mu);
   std::vector<bool> rank_zero_only ABSL_GUARDED_BY(mu);
   std::vector<uint64_t> creation_ids ABSL_GUARDED_BY(mu);
+  std::vector<int64_t> generations ABSL_GUARDED_BY(mu);  // what each create carried; -1 none
   std::vector<std::string> deleted ABSL_GUARDED_BY(mu);
   int rank = 0;
   absl::Notification release;
@@ -217,7 +222,7 @@ struct TwoRanks {
     workers[1].rank = 1;
     for (int r = 0; r < 2; ++r) servers[r] = Serve(&workers[r], &addresses[r]);
     ASSERT_NO_FATAL_FAILURE(RunTensorJob(jobs, {addresses[0], addresses[1]}, &job));
-    proxy = std::make_unique<TensorProxy>(&jobs, &registry, TensorProxy::Options());
+    proxy = std::make_unique<TensorProxy>(&jobs, &registry, options);
     proxy_server = Serve(proxy.get(), &proxy_address);
     stub = v1::TensorService::NewStub(grpc::CreateChannel(proxy_address, grpc::InsecureChannelCredentials()));
   }
@@ -227,6 +232,7 @@ struct TwoRanks {
       if (s != nullptr) s->Shutdown();
     }
   }
+  TensorProxy::Options options;
   SlowWorker workers[2];
   std::string addresses[2];
   std::unique_ptr<grpc::Server> servers[2];
@@ -344,6 +350,60 @@ TEST(TensorProxy, APartlyFailedCallLeavesTheRanksAlikeAndNamesTheCause) {
   ASSERT_EQ(ids.size(), 4u);
   EXPECT_NE(ids[0], 0u);
   EXPECT_EQ(std::set<uint64_t>(ids.begin(), ids.end()).size(), 4u);
+}
+
+// A call goes to the ranks once every rank's worker is connected. One that
+// is not for a moment (restarting its server) is waited for, so that its
+// peers do not wait in a collective for a call that failed at once; one that
+// stays away gets the call sent to no rank, UNAVAILABLE naming it. Each call
+// carries the job's generation, which a worker running another refuses.
+TEST(TensorProxy, ACallIsSentOnlyOnceEveryRanksWorkerIsConnected) {
+  TwoRanks two;
+  two.options.connect_timeout = absl::Seconds(4);
+  ASSERT_NO_FATAL_FAILURE(two.Start());
+  const auto create = [&](const std::string& name) {
+    grpc::ClientContext ctx;
+    v1::CreateTensorRequest req;
+    req.set_job_id(two.job->job_id());
+    req.set_name(name);
+    v1::CreateTensorResponse resp;
+    return FromGrpcStatus(two.stub->CreateTensor(&ctx, req, &resp));
+  };
+  ASSERT_TRUE(create("connected").ok());
+  // Rank 1's server goes away and comes back on its port 600 ms later.
+  two.servers[1]->Shutdown();
+  two.servers[1].reset();
+  std::thread back([&] {
+    absl::SleepFor(absl::Milliseconds(600));
+    grpc::ServerBuilder b;
+    b.AddListeningPort(two.addresses[1], grpc::InsecureServerCredentials());
+    b.RegisterService(&two.workers[1]);
+    two.servers[1] = b.BuildAndStart();
+  });
+  absl::Status s = create("blip");
+  back.join();
+  ASSERT_NE(two.servers[1], nullptr) << "the port was not free again";
+  EXPECT_TRUE(s.ok()) << s;
+  // It stays away: nothing is sent, rank 0 included.
+  two.servers[1]->Shutdown();
+  two.servers[1].reset();
+  const absl::Time start = absl::Now();
+  s = create("nowhere");
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "rank 1 (worker worker-1 at " + two.addresses[1] + ")")) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "could not be reached within 4s; the call was sent to no rank")) << s;
+  EXPECT_GE(took, absl::Seconds(3.9));
+  EXPECT_LT(took, absl::Seconds(15));
+  absl::MutexLock lock0(&two.workers[0].mu);
+  absl::MutexLock lock1(&two.workers[1].mu);
+  EXPECT_EQ(two.workers[0].names, (std::vector<std::string>{"connected", "blip"}));
+  EXPECT_EQ(two.workers[1].names, (std::vector<std::string>{"connected", "blip"}));
+  const absl::StatusOr<v1::Job> placed = two.jobs.Get(two.job->job_id());
+  ASSERT_TRUE(placed.ok()) << placed.status();
+  EXPECT_GT(placed->generation(), 0);
+  EXPECT_EQ(two.workers[0].generations, (std::vector<int64_t>{placed->generation(), placed->generation()}));
+  EXPECT_EQ(two.workers[1].generations, two.workers[0].generations);
 }
 
 // A call whose job is cancelled, or placed again, while it runs on the

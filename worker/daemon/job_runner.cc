@@ -754,7 +754,8 @@ absl::Status JobRunner::ServeTensors(Active& active, ProcessGroup& pg) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<TensorHost>> JobRunner::Tensors(const std::string& job_id) const {
+absl::StatusOr<std::shared_ptr<TensorHost>> JobRunner::Tensors(const std::string& job_id,
+                                                               std::optional<int64_t> generation) const {
   std::shared_ptr<Active> active;
   {
     absl::MutexLock lock(&mu_);
@@ -765,6 +766,10 @@ absl::StatusOr<std::shared_ptr<TensorHost>> JobRunner::Tensors(const std::string
   }
   if (active->request.spec().kind() != v1::JOB_KIND_TENSOR) {
     return absl::FailedPreconditionError(absl::StrCat("job '", job_id, "' is not a TENSOR job"));
+  }
+  if (generation.has_value() && *generation != active->request.generation()) {
+    return absl::AbortedError(absl::StrCat("the call is meant for generation ", *generation, " of job '", job_id,
+                                           "'; generation ", active->request.generation(), " runs on this worker"));
   }
   absl::MutexLock lock(&active->mu);
   if (!active->tensors) return absl::UnavailableError(absl::StrCat("job '", job_id, "' is still connecting"));

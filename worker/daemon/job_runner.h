@@ -130,7 +130,10 @@ class JobRunner {
   bool WaitIdle(absl::Duration timeout) const;
   // The tensors of the TENSOR job `job_id` running here: NOT_FOUND unless
   // it runs on this worker, UNAVAILABLE while its rank is still connecting.
-  absl::StatusOr<std::shared_ptr<TensorHost>> Tensors(const std::string& job_id) const;
+  // `generation`, where given, is the job's generation the caller means:
+  // ABORTED where another runs here (the job was placed again).
+  absl::StatusOr<std::shared_ptr<TensorHost>> Tensors(const std::string& job_id,
+                                                      std::optional<int64_t> generation = std::nullopt) const;
 
  private:
   struct Active {

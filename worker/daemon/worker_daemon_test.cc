@@ -710,6 +710,12 @@ TEST(WorkerDaemon, ATensorRankWhoseGroupBrokeFailsInsteadOfServing) {
     ASSERT_TRUE(host.ok()) << "rank " << rank << ": " << host.status();
     hosts[rank] = *host;
   }
+  // A call meant for another generation of the job (sent as the job was
+  // placed again) finds no tensors here; one meant for this one does.
+  const absl::Status other = runners[0]->Tensors("job-000007", 2).status();
+  EXPECT_EQ(other.code(), absl::StatusCode::kAborted) << other;
+  EXPECT_TRUE(absl::StrContains(other.message(), "generation 2")) << other;
+  EXPECT_TRUE(runners[0]->Tensors("job-000007", 1).ok());
   v1::CreateTensorRequest create;
   create.set_name("x");
   create.mutable_value()->set_dtype(v1::DTYPE_F32);
