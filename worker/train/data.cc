@@ -388,7 +388,8 @@ absl::StatusOr<NpyFootprint> NpyFootprintOf(const std::string& path) {
 }
 
 std::optional<int64_t> NpyFootprint::TensorAndInt64s() const {
-  const std::optional<int64_t> copies = CheckedMul(elements, 16);  // a widened copy (not for i64) and the vector
+  // The vector, and before it a copy widened to i64 where the tensor is narrower.
+  const std::optional<int64_t> copies = CheckedMul(elements, info.tensor_element_bytes >= 8 ? 8 : 16);
   return tensor.has_value() && copies.has_value() ? CheckedAdd(*tensor, *copies) : std::nullopt;
 }
 
@@ -400,16 +401,28 @@ std::optional<int64_t> SumBytes(std::optional<int64_t> a, std::optional<int64_t>
   return a.has_value() && b.has_value() ? CheckedAdd(*a, *b) : std::nullopt;
 }
 
-absl::Status ArraysFitInMemory(const std::vector<std::string>& files, std::optional<int64_t> need) {
+namespace {
+
+constexpr double kGiB = 1 << 30;
+
+// OK where `need` bytes (nullopt: past int64) fit in the memory available
+// now; else RESOURCE_EXHAUSTED: "WHAT would take N of memory HOW, and M is
+// available: REMEDY".
+absl::Status NeedFitsInMemory(const std::string& what, const char* how, std::optional<int64_t> need,
+                              const std::string& remedy) {
   const int64_t available = AvailableHostMemoryBytes();
   if (need.has_value() && *need <= available) return absl::OkStatus();
-  constexpr double kGiB = 1 << 30;
   return absl::ResourceExhaustedError(absl::StrFormat(
-      "%s would take %s of memory while read, and %.1f GiB is available: use fewer or smaller examples, or a "
-      "worker with more memory",
-      absl::StrJoin(files, " and "),
-      need.has_value() ? absl::StrFormat("about %.1f GiB", *need / kGiB) : std::string("more than 8 EiB"),
-      available / kGiB));
+      "%s would take %s of memory %s, and %.1f GiB is available: %s", what,
+      need.has_value() ? absl::StrFormat("about %.1f GiB", *need / kGiB) : std::string("more than 8 EiB"), how,
+      available / kGiB, remedy));
+}
+
+}  // namespace
+
+absl::Status ArraysFitInMemory(const std::vector<std::string>& files, std::optional<int64_t> need) {
+  return NeedFitsInMemory(absl::StrJoin(files, " and "), "while read", need,
+                          "use fewer or smaller examples, or a worker with more memory");
 }
 
 namespace {
@@ -420,15 +433,9 @@ namespace {
 // tokens from disk instead (a worker that ran out would be killed mid-job,
 // and every job on it with it).
 absl::Status FitsInMemory(const std::string& path, int64_t file_bytes, std::optional<int64_t> need) {
-  const int64_t available = AvailableHostMemoryBytes();
-  if (need.has_value() && *need <= available) return absl::OkStatus();
-  constexpr double kGiB = 1 << 30;
-  return absl::ResourceExhaustedError(absl::StrFormat(
-      "%s (%.1f GiB) would take %s of memory as a token array, and %.1f GiB is available: tokenize it once "
-      "(coloctl tokenize --model DIR --input %s --out PREFIX) and train from PREFIX, which is read from disk",
-      path, file_bytes / kGiB,
-      need.has_value() ? absl::StrFormat("about %.1f GiB", *need / kGiB) : std::string("more than 8 EiB"),
-      available / kGiB, path));
+  return NeedFitsInMemory(absl::StrFormat("%s (%.1f GiB)", path, file_bytes / kGiB), "as a token array", need,
+                          absl::StrCat("tokenize it once (coloctl tokenize --model DIR --input ", path,
+                                       " --out PREFIX) and train from PREFIX, which is read from disk"));
 }
 
 // a * b + c, nullopt past int64 (for sizes of files, which are non-negative).
@@ -493,7 +500,7 @@ absl::StatusOr<std::unique_ptr<TokenCorpus>> TokenCorpus::OpenAnyIds(const std::
     }
     // At the peak: what ReadNpy holds, or the tensor it returns and the
     // tokens taken from it.
-    RETURN_IF_ERROR(FitsInMemory(path, bytes, MaxBytes(npy.read, SumBytes(npy.tensor, CheckedMul(npy.elements, 8)))));
+    RETURN_IF_ERROR(FitsInMemory(path, bytes, MaxBytes(npy.read, npy.TensorAndInt64s())));
     ASSIGN_OR_RETURN(Tensor t, ReadNpy(path));
     ASSIGN_OR_RETURN(c->owned_, t.ReadInt64s());
     c->size_ = static_cast<int64_t>(c->owned_.size());

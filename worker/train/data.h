@@ -103,8 +103,9 @@ struct NpyFootprint {
   NpyInfo info;
   std::optional<int64_t> read, tensor;
   int64_t elements = 0;
-  // The tensor and its values as int64 (Tensor::ReadInt64s: a widened copy
-  // and the vector), held together.
+  // The tensor and its values as int64 (Tensor::ReadInt64s: the vector, and
+  // a copy widened to int64 before it where the tensor is narrower), held
+  // together: 8 bytes an element beside an int64 tensor, 16 beside others.
   std::optional<int64_t> TensorAndInt64s() const;
 };
 absl::StatusOr<NpyFootprint> NpyFootprintOf(const std::string& path);

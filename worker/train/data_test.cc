@@ -345,6 +345,34 @@ TEST(TokenCorpus, ACorpusLargerThanTheMemoryIsRefusedBeforeItIsRead) {
   }
 }
 
+// What reading an integer .npy into int64 values holds: the tensor ReadNpy
+// returns, the vector of values and, for a tensor narrower than int64, the
+// widened copy made before the vector (<u2 is read into an int64 tensor).
+TEST(NpyFootprint, ReadingIntegersHoldsTheTensorAndEightOrSixteenBytesAValue) {
+  const std::vector<int64_t> values(1000, 7);
+  ASSERT_TRUE(WriteNpy(TempPath("i8.npy"), *Tensor::FromInt64s({1000}, values)).ok());
+  ASSERT_TRUE(WriteNpy(TempPath("i4.npy"), *Tensor::FromInt64s({1000}, values, DType::kI32)).ok());
+  {
+    std::ofstream u2(TempPath("u2.npy"), std::ios::binary);
+    u2 << NpyHeader("<u2", {1000}) << std::string(2000, '\0');
+  }
+  const struct {
+    const char* name;
+    int64_t tensor, with_values;
+  } cases[] = {{"i8.npy", 8000, 16000}, {"i4.npy", 4000, 20000}, {"u2.npy", 8000, 16000}};
+  for (const auto& c : cases) {
+    const absl::StatusOr<NpyFootprint> f = NpyFootprintOf(TempPath(c.name));
+    ASSERT_TRUE(f.ok()) << c.name << ": " << f.status();
+    EXPECT_EQ(f->elements, 1000) << c.name;
+    EXPECT_EQ(f->tensor, c.tensor) << c.name;
+    EXPECT_EQ(f->TensorAndInt64s(), c.with_values) << c.name;
+    // What is read back is what was counted.
+    const absl::StatusOr<Tensor> t = ReadNpy(TempPath(c.name));
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_EQ(static_cast<int64_t>(t->nbytes()), c.tensor) << c.name;
+  }
+}
+
 // A tokenizer whose ids are worked out by hand: id = byte, bos 300,
 // eos 301; it refuses a text holding '!'.
 class ByteTokenizer final : public Tokenizer {
