@@ -9,6 +9,7 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
@@ -346,21 +347,30 @@ void AddWorkerKey(grpc::ClientContext& ctx, const std::string& key) {
   if (!key.empty()) ctx.AddMetadata(kWorkerKeyMetadata, key);
 }
 
-void AddJobGeneration(grpc::ClientContext& ctx, int64_t generation) {
+void AddJobGeneration(grpc::ClientContext& ctx, int64_t generation, const std::string& job_uid) {
   ctx.AddMetadata(kJobGenerationMetadata, absl::StrCat(generation));
+  if (!job_uid.empty()) ctx.AddMetadata(kJobUidMetadata, job_uid);
 }
 
-absl::StatusOr<std::optional<int64_t>> JobGenerationOf(const grpc::ServerContext& ctx) {
+absl::StatusOr<std::optional<CallGeneration>> JobGenerationOf(const grpc::ServerContext& ctx) {
   const auto& md = ctx.client_metadata();
   auto it = md.find(kJobGenerationMetadata);
-  if (it == md.end()) return std::optional<int64_t>();
+  if (it == md.end()) return std::optional<CallGeneration>();
   const absl::string_view text(it->second.data(), it->second.size());
-  int64_t generation = 0;
-  if (!absl::SimpleAtoi(text, &generation) || generation < 0) {
+  CallGeneration call;
+  if (!absl::SimpleAtoi(text, &call.generation) || call.generation < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(kJobGenerationMetadata, ": not a generation: '", absl::CHexEscape(text.substr(0, 32)), "'"));
   }
-  return std::optional<int64_t>(generation);
+  if (auto uid = md.find(kJobUidMetadata); uid != md.end()) {
+    call.job_uid = std::string(uid->second.data(), uid->second.size());
+    if (call.job_uid.empty() || call.job_uid.size() > 64 ||
+        !absl::c_all_of(call.job_uid, [](char c) { return absl::ascii_isgraph(static_cast<unsigned char>(c)); })) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(kJobUidMetadata, ": not a job uid: '", absl::CHexEscape(call.job_uid.substr(0, 32)), "'"));
+    }
+  }
+  return std::optional<CallGeneration>(std::move(call));
 }
 
 absl::Status WorkerKey::CheckNotOther(const grpc::ServerContext& ctx) const {

@@ -62,14 +62,21 @@ bool CarriesWorkerKey(const grpc::ServerContext& ctx, absl::string_view key);
 // Adds `key` (if any) to an outgoing call.
 void AddWorkerKey(grpc::ClientContext& ctx, const std::string& key);
 
-// The generation of its job a coordinator's call to a worker is meant for
-// (the tensor calls): a worker that runs another refuses it, so that a call
-// sent as the job was placed again cannot reach its new ranks.
+// The generation of its job (and the job's uid, Job.uid) a coordinator's
+// call to a worker is meant for (the tensor calls): a worker that runs
+// another refuses it, so that a call sent as the job was placed again
+// cannot reach its new ranks.
 inline constexpr char kJobGenerationMetadata[] = "colod-job-generation";
-void AddJobGeneration(grpc::ClientContext& ctx, int64_t generation);
+inline constexpr char kJobUidMetadata[] = "colod-job-uid";
+struct CallGeneration {
+  int64_t generation = 0;
+  std::string job_uid;  // "" none
+};
+void AddJobGeneration(grpc::ClientContext& ctx, int64_t generation, const std::string& job_uid);
 // The generation a call carries; nullopt where it carries none (a client's
-// call, an older coordinator's); INVALID_ARGUMENT where it is not a number.
-absl::StatusOr<std::optional<int64_t>> JobGenerationOf(const grpc::ServerContext& ctx);
+// call, an older coordinator's); INVALID_ARGUMENT where it is not a number
+// or the uid is not 1 to 64 printable ASCII bytes.
+absl::StatusOr<std::optional<CallGeneration>> JobGenerationOf(const grpc::ServerContext& ctx);
 
 // A worker process's key (NewWorkerKey), and whether the coordinator it
 // registered with took it (RegisterWorkerResponse.worker_key_taken): then

@@ -86,11 +86,16 @@ class StubCache {
   // go on (their holders keep it).
   void Forget(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_) {
     StubAndChannel dropped;  // closed after the lock is released
-    absl::MutexLock lock(&mu_);
-    const auto it = entries_.find(address);
-    if (it == entries_.end()) return;
-    dropped = std::move(it->second.handle);
-    entries_.erase(it);
+    {
+      absl::MutexLock lock(&mu_);
+      const auto it = entries_.find(address);
+      if (it == entries_.end()) return;
+      dropped = std::move(it->second.handle);
+      entries_.erase(it);
+    }
+    // Calls that hold the old channel (waiting for it to connect) connect
+    // at once, not after its backoff.
+    grpc::experimental::ChannelResetConnectionBackoff(dropped.channel.get());
   }
 
   // How many addresses have a stub.

@@ -100,6 +100,101 @@ void TensorProxy::EndTurn(const std::string& job_id) {
   if (it->second.serving == it->second.next_ticket) queues_.erase(it);
 }
 
+namespace {
+
+const char* ConnectivityStateName(grpc_connectivity_state state) {
+  switch (state) {
+    case GRPC_CHANNEL_IDLE:
+      return "idle";
+    case GRPC_CHANNEL_CONNECTING:
+      return "connecting";
+    case GRPC_CHANNEL_READY:
+      return "connected";
+    case GRPC_CHANNEL_TRANSIENT_FAILURE:
+      return "its connection refused or failed";
+    case GRPC_CHANNEL_SHUTDOWN:
+      return "shut down";
+  }
+  return "unknown state";
+}
+
+}  // namespace
+
+void TensorProxy::ForgetConnection(const std::string& address) {
+  stubs_.Forget(address);
+  absl::MutexLock lock(&mu_);
+  not_connected_since_.erase(address);
+}
+
+absl::Status TensorProxy::AwaitConnected(grpc::ServerContext* ctx, absl::Time deadline, const v1::MeshSpec& mesh,
+                                         const std::vector<int>& ranks,
+                                         const std::vector<std::shared_ptr<grpc::Channel>>& channels) {
+  if (options_.connect_timeout <= absl::ZeroDuration()) return absl::OkStatus();
+  // The channels not connected yet, and since when a call found each so.
+  struct Waiting {
+    size_t i;
+    absl::Time since;
+    grpc_connectivity_state state;
+  };
+  std::vector<Waiting> waiting;
+  // Looks at the channels of `waiting` (all of them the first time).
+  bool first = true;
+  const auto look = [&](absl::Time now) {
+    std::vector<std::pair<size_t, grpc_connectivity_state>> states;
+    for (size_t i = 0; i < channels.size(); ++i) {
+      if (!first && absl::c_none_of(waiting, [i](const Waiting& w) { return w.i == i; })) continue;
+      states.emplace_back(i, channels[i]->GetState(/*try_to_connect=*/true));  // (connects an idle one)
+    }
+    first = false;
+    std::vector<Waiting> still;
+    absl::MutexLock lock(&mu_);
+    for (const auto& [i, state] : states) {
+      const std::string& address = mesh.ranks(ranks[i]).worker_address();
+      if (state == GRPC_CHANNEL_READY) {
+        not_connected_since_.erase(address);
+        continue;
+      }
+      if (not_connected_since_.size() >= kMaxNotConnectedKept) {
+        // Addresses no call has asked for in a long time (workers gone for good).
+        for (auto it = not_connected_since_.begin(); it != not_connected_since_.end();) {
+          it = now - it->second > options_.connect_timeout + absl::Minutes(10) ? not_connected_since_.erase(it)
+                                                                               : std::next(it);
+        }
+      }
+      still.push_back(Waiting{i, not_connected_since_.emplace(address, now).first->second, state});
+    }
+    waiting = std::move(still);
+  };
+  look(absl::Now());
+  constexpr absl::Duration kSlice = absl::Milliseconds(100);
+  while (!waiting.empty()) {
+    const absl::Time now = absl::Now();
+    // A worker gets connect_timeout from when a call first found it not
+    // connected: one that stays away costs the calls after that none.
+    for (const Waiting& w : waiting) {
+      if (now < w.since + options_.connect_timeout) continue;
+      const v1::RankAssignment& a = mesh.ranks(ranks[w.i]);
+      return absl::UnavailableError(absl::StrCat(
+          "rank ", a.rank(), " (worker ", a.worker_id(), " at ", a.worker_address(), ") is not connected (",
+          ConnectivityStateName(w.state), ") and has not been for ",
+          absl::FormatDuration(absl::Trunc(now - w.since, absl::Milliseconds(1))),
+          waiting.size() > 1 ? absl::StrCat(" (nor are ", waiting.size() - 1, " more ranks' workers)") : "",
+          "; the call was sent to no rank"));
+    }
+    if (now >= deadline) {
+      return absl::DeadlineExceededError(
+          "the deadline passed while the call waited for the ranks' workers to connect; it was sent to no rank");
+    }
+    if (ctx->IsCancelled()) {
+      return absl::CancelledError(
+          "the call was cancelled while it waited for the ranks' workers to connect; it was sent to no rank");
+    }
+    channels[waiting[0].i]->WaitForStateChange(waiting[0].state, absl::ToChronoTime(std::min(now + kSlice, deadline)));
+    look(absl::Now());
+  }
+  return absl::OkStatus();
+}
+
 template <typename Req, typename Resp>
 grpc::Status TensorProxy::FanOut(grpc::ServerContext* ctx, const char* method, const std::string& job_id,
                                  const Req& req, Resp* resp, Call<Req, Resp> call, int only_rank, Settle settle) {
@@ -132,6 +227,23 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
   }
   std::vector<Resp> responses(ranks.size());
   std::vector<std::shared_ptr<Stub>> stubs(ranks.size());  // held until every call ended
+  const auto rank_at = [&](size_t i) {
+    const v1::RankAssignment& a = mesh.ranks(ranks[i]);
+    return absl::StrCat("rank ", a.rank(), " (worker ", a.worker_id(), " at ", a.worker_address(), ")");
+  };
+  // Every rank's worker is connected before a call goes to any: a worker
+  // that is not (its connection refused or reset for a moment) would fail
+  // its call at once, while its peers waited for it in their collective
+  // until the group's timeout, which breaks the job's group. The wait comes
+  // before the turn, so that the job's calls wait for a worker side by side,
+  // not one after another.
+  std::vector<std::shared_ptr<grpc::Channel>> channels(ranks.size());
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    StubCache<v1::TensorService>::StubAndChannel handle = stubs_.GetWithChannel(mesh.ranks(ranks[i]).worker_address());
+    stubs[i] = std::move(handle.stub);
+    channels[i] = std::move(handle.channel);
+  }
+  RETURN_IF_ERROR(AwaitConnected(ctx, std::min(client, absl::Now() + options_.rpc_timeout), mesh, ranks, channels));
   // Every rank sees this job's calls in one order: the calls of one fan-out
   // run at once (asynchronously, on no thread of their own), and the job's
   // next fan-out, in the order they arrived, starts once they all ended
@@ -168,36 +280,18 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
     }
     return std::nullopt;
   };
-  const auto rank_at = [&](size_t i) {
-    const v1::RankAssignment& a = mesh.ranks(ranks[i]);
-    return absl::StrCat("rank ", a.rank(), " (worker ", a.worker_id(), " at ", a.worker_address(), ")");
-  };
-  // Every rank's worker is connected before a call goes to any: a worker
-  // that is not (a blip: its connection is made again within
-  // connect_timeout) would fail its call at once, while its peers waited
-  // for it in their collective until the group's timeout, which breaks the
-  // job's group. A worker that stays unreachable gets the call nowhere.
-  std::vector<std::shared_ptr<grpc::Channel>> channels(ranks.size());
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    auto handle = stubs_.GetWithChannel(mesh.ranks(ranks[i]).worker_address());
-    stubs[i] = std::move(handle.stub);
-    channels[i] = std::move(handle.channel);
-    channels[i]->GetState(/*try_to_connect=*/true);  // all connect at once
-  }
-  const absl::Time connect_by = absl::Now() + std::min(options_.connect_timeout, options_.rpc_timeout);
-  std::vector<size_t> unreachable;
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    if (!channels[i]->WaitForConnected(absl::ToChronoTime(connect_by))) unreachable.push_back(i);
-  }
-  if (!unreachable.empty()) {
-    EndTurn(job_id);
-    const std::string where =
-        absl::StrCat(rank_at(unreachable[0]), " could not be reached within ",
-                     absl::FormatDuration(std::min(options_.connect_timeout, options_.rpc_timeout)),
-                     unreachable.size() > 1 ? absl::StrCat(" (nor ", unreachable.size() - 1, " more ranks)") : "",
-                     "; the call was sent to no rank");
-    if (std::optional<absl::Status> state = stopped_under(where)) return *state;
-    return absl::UnavailableError(where);
+  if (options_.connect_timeout > absl::ZeroDuration()) {
+    // A connection lost while the call waited for its turn: sent nowhere,
+    // at once (the turn is not held for a wait).
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      const grpc_connectivity_state state = channels[i]->GetState(/*try_to_connect=*/true);
+      if (state == GRPC_CHANNEL_READY) continue;
+      EndTurn(job_id);
+      const std::string where = absl::StrCat(rank_at(i), " lost its connection (", ConnectivityStateName(state),
+                                             ") while the call waited for its turn; the call was sent to no rank");
+      if (std::optional<absl::Status> state_now = stopped_under(where)) return *state_now;
+      return absl::UnavailableError(where);
+    }
   }
   const absl::Time deadline = absl::Now() + options_.rpc_timeout;
   const AuthToken& token = options_.worker_token.empty() ? options_.auth_token : options_.worker_token;
@@ -206,7 +300,7 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
     if (options_.worker_key_to_call) AddWorkerKey(*c, options_.worker_key_to_call(a.worker_id()));
     // The worker refuses a call meant for another generation than the one
     // it runs: a placement made since the job was looked at above.
-    AddJobGeneration(*c, job->generation());
+    AddJobGeneration(*c, job->generation(), job->uid());
   };
   const auto start = [&](size_t i, grpc::ClientContext* c, std::function<void(grpc::Status)> done) {
     connect(i, c);
@@ -232,7 +326,10 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
                           connect(at[k], c);
                           stubs[at[k]]->async()->DeleteTensor(c, &del, &deleted[k], std::move(done));
                         });
-      const size_t gone = static_cast<size_t>(absl::c_count_if(deletes, [](const absl::Status& s) { return s.ok(); }));
+      // (ABORTED: the rank runs another generation now, and held the
+      // tensor with the one that ended.)
+      const size_t gone = static_cast<size_t>(
+          absl::c_count_if(deletes, [](const absl::Status& s) { return s.ok() || absl::IsAborted(s); }));
       // A rank whose answer did not come (past the deadline, its connection
       // lost) may have made it all the same: its ranks then differ, which
       // their collectives refuse (the creation id), never mix.

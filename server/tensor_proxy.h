@@ -12,6 +12,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/random/random.h"
@@ -20,6 +21,7 @@
 #include "absl/time/time.h"
 #include "colod/v1/tensor.grpc.pb.h"
 #include "common/auth.h"
+#include "grpcpp/channel.h"
 #include "grpcpp/security/credentials.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
@@ -45,8 +47,11 @@ class TensorProxy final : public v1::TensorService::Service {
     WorkerKeyToCall worker_key_to_call;
     // Deadline of each call to a worker, unless the client's is sooner.
     absl::Duration rpc_timeout = absl::Seconds(60);
-    // How long a call waits for every rank's worker to be connected before
-    // it is sent to any (UNAVAILABLE, sent nowhere, past it).
+    // How long a worker that is not connected (its connection refused or
+    // reset) is waited for before a call goes to any rank: from the moment
+    // a call first found it so, calls waiting side by side before their
+    // turn; past it, UNAVAILABLE and sent to no rank. <= 0: calls are sent
+    // without the wait.
     absl::Duration connect_timeout = absl::Seconds(5);
   };
   // RPCs are recorded in `metrics`' colod_rpc_duration_seconds.
@@ -69,7 +74,7 @@ class TensorProxy final : public v1::TensorService::Service {
 
   // A worker registered at `address` anew: the next call there connects
   // afresh (StubCache::Forget).
-  void ForgetConnection(const std::string& address) { stubs_.Forget(address); }
+  void ForgetConnection(const std::string& address) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   using Stub = v1::TensorService::Stub;
@@ -100,6 +105,13 @@ class TensorProxy final : public v1::TensorService::Service {
   template <typename Req, typename Resp>
   absl::Status FanOutToRanks(grpc::ServerContext* ctx, const std::string& job_id, const Req& req, Resp* resp,
                              Call<Req, Resp> call, int only_rank, Settle settle);
+  // OK once every channel of `ranks` is connected: each worker is waited
+  // for until connect_timeout after a call first found it not connected
+  // (UNAVAILABLE naming it past that), within `deadline`
+  // (DEADLINE_EXCEEDED) and while the caller stays (CANCELLED).
+  absl::Status AwaitConnected(grpc::ServerContext* ctx, absl::Time deadline, const v1::MeshSpec& mesh,
+                              const std::vector<int>& ranks,
+                              const std::vector<std::shared_ptr<grpc::Channel>>& channels) ABSL_LOCKS_EXCLUDED(mu_);
   // A job's fan-outs run one at a time, in the order they arrive (a ticket
   // each): AwaitTurn returns when this call's turn has come, EndTurn hands
   // it to the next. Neither holds a lock after it returns. A caller that
@@ -126,6 +138,10 @@ class TensorProxy final : public v1::TensorService::Service {
   // A job's queue while it has a call waiting or running; erased once idle.
   std::map<std::string, JobQueue> queues_ ABSL_GUARDED_BY(mu_);
   absl::BitGen bits_ ABSL_GUARDED_BY(mu_);  // CreateTensorRequest.creation_id
+  // Since when calls found each worker address not connected (erased once
+  // one finds it connected, or its worker registers anew).
+  static constexpr size_t kMaxNotConnectedKept = 1024;
+  std::map<std::string, absl::Time> not_connected_since_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace colod

@@ -34,8 +34,9 @@ class SlowWorker final : public v1::TensorService::Service {
       absl::MutexLock lock(&mu);
       names.push_back(req->name());
       creation_ids.push_back(req->creation_id());
-      const absl::StatusOr<std::optional<int64_t>> generation = JobGenerationOf(*ctx);
-      generations.push_back(generation.ok() && generation->has_value() ? **generation : -1);
+      const absl::StatusOr<std::optional<CallGeneration>> call = JobGenerationOf(*ctx);
+      generations.push_back(call.ok() && call->has_value() ? (*call)->generation : -1);
+      uids.push_back(call.ok() && call->has_value() ? (*call)->job_uid : "-");
     }
     // Made on rank 0, refused on rank 1 (its budget).
     if (req->name() == "half-made" && rank == 1) return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "full");
@@ -83,6 +84,7 @@ class SlowWorker final : public v1::TensorService::Service {
   std::vector<bool> rank_zero_only ABSL_GUARDED_BY(mu);
   std::vector<uint64_t> creation_ids ABSL_GUARDED_BY(mu);
   std::vector<int64_t> generations ABSL_GUARDED_BY(mu);  // what each create carried; -1 none
+  std::vector<std::string> uids ABSL_GUARDED_BY(mu);
   std::vector<std::string> deleted ABSL_GUARDED_BY(mu);
   int rank = 0;
   absl::Notification release;
@@ -353,10 +355,12 @@ TEST(TensorProxy, APartlyFailedCallLeavesTheRanksAlikeAndNamesTheCause) {
 }
 
 // A call goes to the ranks once every rank's worker is connected. One that
-// is not for a moment (restarting its server) is waited for, so that its
+// is not for a moment (its server restarting) is waited for, so that its
 // peers do not wait in a collective for a call that failed at once; one that
-// stays away gets the call sent to no rank, UNAVAILABLE naming it. Each call
-// carries the job's generation, which a worker running another refuses.
+// stays away gets the call sent to no rank, UNAVAILABLE naming it, and the
+// calls after that are answered at once rather than each waiting again.
+// Each call carries the job's generation and uid, which a worker running
+// another refuses.
 TEST(TensorProxy, ACallIsSentOnlyOnceEveryRanksWorkerIsConnected) {
   TwoRanks two;
   two.options.connect_timeout = absl::Seconds(4);
@@ -369,16 +373,20 @@ TEST(TensorProxy, ACallIsSentOnlyOnceEveryRanksWorkerIsConnected) {
     v1::CreateTensorResponse resp;
     return FromGrpcStatus(two.stub->CreateTensor(&ctx, req, &resp));
   };
-  ASSERT_TRUE(create("connected").ok());
-  // Rank 1's server goes away and comes back on its port 600 ms later.
-  two.servers[1]->Shutdown();
-  two.servers[1].reset();
-  std::thread back([&] {
-    absl::SleepFor(absl::Milliseconds(600));
+  const auto restart_rank_one = [&] {
     grpc::ServerBuilder b;
     b.AddListeningPort(two.addresses[1], grpc::InsecureServerCredentials());
     b.RegisterService(&two.workers[1]);
     two.servers[1] = b.BuildAndStart();
+  };
+  ASSERT_TRUE(create("connected").ok());
+  // Rank 1's server goes away and comes back on its port 600 ms later.
+  two.servers[1]->Shutdown();
+  two.servers[1].reset();
+  absl::SleepFor(absl::Milliseconds(200));  // (the proxy's connection sees it close)
+  std::thread back([&] {
+    absl::SleepFor(absl::Milliseconds(400));
+    restart_rank_one();
   });
   absl::Status s = create("blip");
   back.join();
@@ -387,23 +395,41 @@ TEST(TensorProxy, ACallIsSentOnlyOnceEveryRanksWorkerIsConnected) {
   // It stays away: nothing is sent, rank 0 included.
   two.servers[1]->Shutdown();
   two.servers[1].reset();
-  const absl::Time start = absl::Now();
+  absl::SleepFor(absl::Milliseconds(200));
+  absl::Time start = absl::Now();
   s = create("nowhere");
-  const absl::Duration took = absl::Now() - start;
+  const absl::Duration first = absl::Now() - start;
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
-  EXPECT_TRUE(absl::StrContains(s.message(), "rank 1 (worker worker-1 at " + two.addresses[1] + ")")) << s;
-  EXPECT_TRUE(absl::StrContains(s.message(), "could not be reached within 4s; the call was sent to no rank")) << s;
-  EXPECT_GE(took, absl::Seconds(3.9));
-  EXPECT_LT(took, absl::Seconds(15));
+  EXPECT_TRUE(absl::StrContains(s.message(), "rank 1 (worker worker-1 at " + two.addresses[1] + ") is not connected"))
+      << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "; the call was sent to no rank")) << s;
+  EXPECT_GE(first, absl::Seconds(3.9));
+  EXPECT_LT(first, absl::Seconds(15));
+  // The next call does not wait for it again.
+  start = absl::Now();
+  s = create("nowhere again");
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  // It registers anew on its port: the next call connects to it at once.
+  restart_rank_one();
+  ASSERT_NE(two.servers[1], nullptr) << "the port was not free again";
+  two.proxy->ForgetConnection(two.addresses[1]);
+  start = absl::Now();
+  s = create("registered again");
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
   absl::MutexLock lock0(&two.workers[0].mu);
   absl::MutexLock lock1(&two.workers[1].mu);
-  EXPECT_EQ(two.workers[0].names, (std::vector<std::string>{"connected", "blip"}));
-  EXPECT_EQ(two.workers[1].names, (std::vector<std::string>{"connected", "blip"}));
+  const std::vector<std::string> sent = {"connected", "blip", "registered again"};
+  EXPECT_EQ(two.workers[0].names, sent);
+  EXPECT_EQ(two.workers[1].names, sent);
   const absl::StatusOr<v1::Job> placed = two.jobs.Get(two.job->job_id());
   ASSERT_TRUE(placed.ok()) << placed.status();
   EXPECT_GT(placed->generation(), 0);
-  EXPECT_EQ(two.workers[0].generations, (std::vector<int64_t>{placed->generation(), placed->generation()}));
+  EXPECT_EQ(two.workers[0].generations, std::vector<int64_t>(3, placed->generation()));
   EXPECT_EQ(two.workers[1].generations, two.workers[0].generations);
+  EXPECT_FALSE(placed->uid().empty());
+  EXPECT_EQ(two.workers[0].uids, std::vector<std::string>(3, placed->uid()));
 }
 
 // A call whose job is cancelled, or placed again, while it runs on the

@@ -755,7 +755,7 @@ absl::Status JobRunner::ServeTensors(Active& active, ProcessGroup& pg) {
 }
 
 absl::StatusOr<std::shared_ptr<TensorHost>> JobRunner::Tensors(const std::string& job_id,
-                                                               std::optional<int64_t> generation) const {
+                                                               const std::optional<CallGeneration>& call) const {
   std::shared_ptr<Active> active;
   {
     absl::MutexLock lock(&mu_);
@@ -767,8 +767,12 @@ absl::StatusOr<std::shared_ptr<TensorHost>> JobRunner::Tensors(const std::string
   if (active->request.spec().kind() != v1::JOB_KIND_TENSOR) {
     return absl::FailedPreconditionError(absl::StrCat("job '", job_id, "' is not a TENSOR job"));
   }
-  if (generation.has_value() && *generation != active->request.generation()) {
-    return absl::AbortedError(absl::StrCat("the call is meant for generation ", *generation, " of job '", job_id,
+  if (call.has_value() && OtherJob(call->job_uid, active->request.job_uid())) {
+    return absl::NotFoundError(absl::StrCat("job '", job_id, "' of uid ", call->job_uid,
+                                            " does not run on this worker (another of that id does)"));
+  }
+  if (call.has_value() && call->generation != active->request.generation()) {
+    return absl::AbortedError(absl::StrCat("the call is meant for generation ", call->generation, " of job '", job_id,
                                            "'; generation ", active->request.generation(), " runs on this worker"));
   }
   absl::MutexLock lock(&active->mu);

@@ -130,10 +130,11 @@ class JobRunner {
   bool WaitIdle(absl::Duration timeout) const;
   // The tensors of the TENSOR job `job_id` running here: NOT_FOUND unless
   // it runs on this worker, UNAVAILABLE while its rank is still connecting.
-  // `generation`, where given, is the job's generation the caller means:
-  // ABORTED where another runs here (the job was placed again).
+  // `call`, where given, is the job's generation (and uid) the caller
+  // means: ABORTED where another generation runs here (the job was placed
+  // again), NOT_FOUND where another job of that id does.
   absl::StatusOr<std::shared_ptr<TensorHost>> Tensors(const std::string& job_id,
-                                                      std::optional<int64_t> generation = std::nullopt) const;
+                                                      const std::optional<CallGeneration>& call = std::nullopt) const;
 
  private:
   struct Active {

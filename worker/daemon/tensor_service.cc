@@ -10,7 +10,7 @@ grpc::Status WorkerTensorService::With(grpc::ServerContext* ctx, const std::stri
   if (absl::Status a = auth_.Check(*ctx, CallerRole::kWorker); !a.ok()) return ToGrpcStatus(a);
   if (job_id.empty()) return ToGrpcStatus(absl::InvalidArgumentError("job_id: required"));
   if (runner_ == nullptr) return ToGrpcStatus(absl::NotFoundError("this worker runs standalone: no jobs"));
-  absl::StatusOr<std::optional<int64_t>> generation = JobGenerationOf(*ctx);
+  absl::StatusOr<std::optional<CallGeneration>> generation = JobGenerationOf(*ctx);
   if (!generation.ok()) return ToGrpcStatus(generation.status());
   absl::StatusOr<std::shared_ptr<TensorHost>> host = runner_->Tensors(job_id, *generation);
   if (!host.ok()) return ToGrpcStatus(host.status());

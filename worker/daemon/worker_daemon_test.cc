@@ -697,6 +697,7 @@ TEST(WorkerDaemon, ATensorRankWhoseGroupBrokeFailsInsteadOfServing) {
     ro.comm_timeout = absl::Seconds(5);
     runners.push_back(std::make_unique<JobRunner>(ro));
     v1::AssignJobRequest assign = RankZero("job-000007", tensor);
+    assign.set_job_uid("00c0ffee");
     assign.set_rank(rank);
     ASSERT_TRUE(runners.back()->Assign(assign).ok());
   }
@@ -712,10 +713,15 @@ TEST(WorkerDaemon, ATensorRankWhoseGroupBrokeFailsInsteadOfServing) {
   }
   // A call meant for another generation of the job (sent as the job was
   // placed again) finds no tensors here; one meant for this one does.
-  const absl::Status other = runners[0]->Tensors("job-000007", 2).status();
+  const absl::Status other = runners[0]->Tensors("job-000007", CallGeneration{2, ""}).status();
   EXPECT_EQ(other.code(), absl::StatusCode::kAborted) << other;
   EXPECT_TRUE(absl::StrContains(other.message(), "generation 2")) << other;
-  EXPECT_TRUE(runners[0]->Tensors("job-000007", 1).ok());
+  EXPECT_TRUE(runners[0]->Tensors("job-000007", CallGeneration{1, ""}).ok());
+  EXPECT_TRUE(runners[0]->Tensors("job-000007", CallGeneration{1, "00c0ffee"}).ok());
+  // Another job of that id (a coordinator that lost its data dir numbers
+  // jobs from 1 again).
+  EXPECT_EQ(runners[0]->Tensors("job-000007", CallGeneration{1, "0badf00d"}).status().code(),
+            absl::StatusCode::kNotFound);
   v1::CreateTensorRequest create;
   create.set_name("x");
   create.mutable_value()->set_dtype(v1::DTYPE_F32);
