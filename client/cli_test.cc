@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/coordinator_client.h"
+#include "client/job_flags.h"
 #include "common/atomic_file.h"
 #include "gtest/gtest.h"
 
@@ -85,6 +86,24 @@ TEST(WriteOutputFile, WritesFilesLinksAndPipesAsTheyAre) {
 
 // A token that a header cannot carry is refused when the client is made,
 // not by gRPC aborting the process at the first call.
+// A job is named after its model directory however the directory is
+// written: with a trailing slash (a shell's completion) or as ".".
+TEST(SetModelFromDir, NamesTheJobAfterTheDirectoryHoweverItIsWritten) {
+  const std::string dir = FreshDir("gpt2-tiny");
+  {
+    std::FILE* f = std::fopen((dir + "/config.json").c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs("{}", f);
+    std::fclose(f);
+  }
+  const std::string name = std::filesystem::path(dir).filename().string();
+  for (const std::string& written : {dir, dir + "/", dir + "/.", dir + "//"}) {
+    v1::JobSpec spec;
+    ASSERT_TRUE(SetModelFromDir(written, spec).ok()) << written;
+    EXPECT_EQ(spec.name(), name) << written;
+  }
+}
+
 TEST(CoordinatorClient, RefusesATokenAHeaderCannotCarry) {
   CoordinatorClient::Options o;
   o.auth_token = "line\nbreak";

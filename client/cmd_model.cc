@@ -286,7 +286,7 @@ int RunPlan(const std::vector<std::string>&) {
         fits.push_back(std::move(j));
       }
       std::printf("%s\n", JsonText({{"fits", fits}, {"refused", search->refused}}, 2).c_str());
-      return 0;
+      return search->fits.empty() ? 1 : 0;  // as the table's
     }
     std::vector<std::vector<std::string>> rows;
     for (const RankedLayout& l : search->fits) {

@@ -183,7 +183,7 @@ int TensorWith(CoordinatorClient& c, const std::vector<std::string>& operands, b
   };
   // Each subcommand's own flags of the command's (`tensor create J x --tp 4`
   // would otherwise run without a word about --tp).
-  static const std::map<std::string, std::set<std::string>> kOwn = {{"demo", {"tp", "dp", "mode", "depth"}},
+  static const std::map<std::string, std::set<std::string>> kOwn = {{"demo", {"tp", "dp", "mode", "depth", "seed"}},
                                                                     {"create", {"shape", "spec", "seed"}},
                                                                     {"reshard", {"spec"}},
                                                                     {"get", {"rank", "out"}},

@@ -288,8 +288,8 @@ absl::StatusOr<v1::JobSpec> TrainSpecFromFlags(bool require_data) {
   }
   if (final_dtype != "auto") t.set_final_dtype(final_dtype);
   const double bucket_mb = absl::GetFlag(FLAGS_bucket_mb);
-  if (!(bucket_mb > 0) || bucket_mb > 1 << 20) {
-    return absl::InvalidArgumentError("--bucket-mb must be positive (and at most 1 TiB)");
+  if (!(bucket_mb * (1 << 20) >= 1) || bucket_mb > 1 << 20) {
+    return absl::InvalidArgumentError("--bucket-mb must be at least a byte (1e-6) and at most 1 TiB (1048576)");
   }
   t.set_bucket_bytes(static_cast<int64_t>(bucket_mb * (1 << 20)));
   const int32_t zero = absl::GetFlag(FLAGS_zero);
@@ -476,8 +476,10 @@ absl::Status SetModelFromDir(const std::string& model_dir, v1::JobSpec& spec) {
   if (!config.ok()) return config.status();
   spec.mutable_model()->set_config_json(*config);
   spec.mutable_model()->set_weights_path(dir);
-  spec.set_name(absl::GetFlag(FLAGS_name).empty() ? std::filesystem::path(dir).filename().string()
-                                                  : absl::GetFlag(FLAGS_name));
+  // (`--model ./gpt2/` and `--model .` name the directory too.)
+  std::filesystem::path named(dir);
+  if (named.filename().empty()) named = named.parent_path();
+  spec.set_name(absl::GetFlag(FLAGS_name).empty() ? named.filename().string() : absl::GetFlag(FLAGS_name));
   return absl::OkStatus();
 }
 

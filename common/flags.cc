@@ -294,9 +294,9 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
     std::exit(2);
   }
   const std::vector<std::string> given = *std::move(expanded);
-  for (size_t i = 1; i < given.size(); ++i) {
-    const std::string& a = given[i];
-    if (a == "--") break;
+  // (Not a flag's value: `--reason -h` is a reason.)
+  for (const FlagArg& f : ScanFlags(given)) {
+    const std::string& a = given[f.index];
     if (a == "--help" || a == "-h" || a == "-help" || a == "--helpfull") {
       PrintHelp(usage);
       std::exit(0);

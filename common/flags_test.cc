@@ -162,5 +162,17 @@ TEST(ParseFlags, RepeatableFlagsCollectEveryValueAndValuesStayAsWritten) {
   EXPECT_EQ(positional, (std::vector<std::string>{"pos", "--test-roots=/not-a-flag"}));
 }
 
+// --help is a request for help only as a flag: as a flag's value, or after
+// the end of flags, it is what it stands for (before, `--reason -h` printed
+// the help and exited 0 without running the command).
+TEST(ParseFlags, HelpAsAFlagsValueIsTheValue) {
+  std::vector<std::string> args = {"prog", "--test-reason", "-h", "pos", "--", "--help"};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  const std::vector<std::string> positional = ParseFlags(static_cast<int>(argv.size()), argv.data(), "usage", {});
+  EXPECT_EQ(absl::GetFlag(FLAGS_test_reason), "-h");
+  EXPECT_EQ(positional, (std::vector<std::string>{"pos", "--help"}));
+}
+
 }  // namespace
 }  // namespace colod

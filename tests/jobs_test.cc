@@ -361,7 +361,7 @@ TEST_F(JobsTest, AnEvaluatingJobsHeldOutLossIsTheTpOneEvaluations) {
 TEST_F(JobsTest, TensorJobsHostColoTensorsOverGrpc) {
   // The ColoTensor document's example through coloctl: shapes per rank.
   auto demo = RunCommand({Runfile("client/coloctl"), "--coordinator", coordinator_.grpc, "--tp", "2", "--dp", "2",
-                          "--output", "json", "tensor", "demo"},
+                          "--seed", "7", "--output", "json", "tensor", "demo"},
                          TempPath(""), absl::Seconds(120));
   ASSERT_EQ(demo.code, 0) << demo.err << Logs();
   const nlohmann::json out = nlohmann::json::parse(demo.out, nullptr, false);

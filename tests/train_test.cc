@@ -123,6 +123,10 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
       Coloctl({"plan", "--model", model->dir, "--seq-len", "32", "--world", "4", "--memory-per-rank", "1KiB"});
   EXPECT_EQ(tiny.code, 1) << "nothing fits in 1 KiB: " << tiny.out;
   EXPECT_NE(tiny.out.find("more than"), std::string::npos) << tiny.out;
+  const auto tiny_json = Coloctl({"plan", "--model", model->dir, "--seq-len", "32", "--world", "4", "--memory-per-rank",
+                                  "1KiB", "--output", "json"});
+  EXPECT_EQ(tiny_json.code, 1) << "nothing fits in 1 KiB, as JSON too: " << tiny_json.out;
+  EXPECT_NE(tiny_json.out.find("\"fits\": []"), std::string::npos) << tiny_json.out;
   const auto unsized = Coloctl({"plan", "--model", model->dir, "--world", "4", "--memory-per-rank", "lots"});
   EXPECT_EQ(unsized.code, 2) << unsized.err;
   // --world ranks every layout: a layout's flags would be ignored.
