@@ -307,13 +307,33 @@ std::string JobRunner::RankDir(const v1::AssignJobRequest& req) const {
   return absl::StrFormat("%s/%s-gen-%d-rank-%d", options_.work_dir, req.job_id(), req.generation(), req.rank());
 }
 
-absl::Status JobRunner::CheckWorkDirRoom() const {
+absl::Status JobRunner::CheckWorkDirRoom() {
   if (options_.min_free_work_dir_bytes <= 0) return absl::OkStatus();
   absl::StatusOr<DiskSpace> room = FreeDiskSpace(options_.work_dir);
   if (!room.ok()) {
     return absl::UnavailableError(absl::StrCat("this worker takes no rank: ", room.status().message()));
   }
-  if (room->free_bytes < options_.min_free_work_dir_bytes || room->free_inodes == 0) {
+  const auto short_of_room = [&] {
+    return room->free_bytes < options_.min_free_work_dir_bytes || room->free_inodes == 0;
+  };
+  if (short_of_room()) {
+    // Uploads no rank used for --upload-cache-ttl go first (before, only a
+    // rank's download removed them, and a worker refusing every rank for
+    // want of room never got to one). Only while no rank runs: its upload
+    // is in use.
+    bool idle = false;
+    {
+      absl::MutexLock lock(&mu_);
+      idle = active_ == nullptr;
+    }
+    if (idle && models_.PruneIfIdle()) {
+      room = FreeDiskSpace(options_.work_dir);
+      if (!room.ok()) {
+        return absl::UnavailableError(absl::StrCat("this worker takes no rank: ", room.status().message()));
+      }
+    }
+  }
+  if (short_of_room()) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "this worker takes no rank that loads a model: its --work-dir '", options_.work_dir, "' has ",
         room->free_inodes == 0 ? "no free inode" : absl::StrCat(MiB(room->free_bytes), " free"), ", under the ",

@@ -200,13 +200,14 @@ class JobRunner {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adds `gone` to gone_ (the newest kMaxGoneKept), where it has a uid.
   void RememberGoneLocked(Gone gone) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Options::min_free_work_dir_bytes' check (RESOURCE_EXHAUSTED).
-  absl::Status CheckWorkDirRoom() const;
+  // Options::min_free_work_dir_bytes' check (RESOURCE_EXHAUSTED). Short
+  // of room while no rank runs, it prunes the upload cache first.
+  absl::Status CheckWorkDirRoom() ABSL_LOCKS_EXCLUDED(mu_);
   // The dumps WORK_DIR/flight-recorder keeps, the newest (about 0.5 MB each).
   static constexpr size_t kMaxFlightRecorderDumps = 256;
 
   const Options options_;
-  ModelCache models_;  // used by the rank's thread only
+  ModelCache models_;  // used by the rank's thread only, but PruneIfIdle (CheckWorkDirRoom)
   mutable absl::Mutex mu_;
   std::shared_ptr<Active> active_ ABSL_GUARDED_BY(mu_);
   std::string closed_ ABSL_GUARDED_BY(mu_);  // Close's reason; empty while open

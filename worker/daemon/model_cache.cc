@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <set>
 #include <system_error>
 #include <vector>
 
@@ -99,18 +100,22 @@ absl::Status ModelCache::Materialize(const v1::ModelSpec& model, const std::stri
 
 absl::StatusOr<std::string> ModelCache::Weights(const v1::ModelSpec& model, AbortSignal& abort) {
   if (model.upload_id().empty()) return model.weights_path();
-  if (!IsPlainFileName(model.upload_id())) {
+  // Held across the download: only PruneIfIdle contends, and it does not wait.
+  absl::MutexLock lock(&files_mu_);
+  // (Never one of the cache's own names: a download or a removal in progress.)
+  if (!IsPlainFileName(model.upload_id()) || absl::EndsWith(model.upload_id(), ".tmp") ||
+      absl::EndsWith(model.upload_id(), kRemoving)) {
     return absl::InvalidArgumentError(absl::StrCat("spec.model.upload_id: '", model.upload_id(), "' is not an id"));
   }
   const std::string dir = absl::StrCat(options_.work_dir, "/uploads/", model.upload_id());
   std::error_code ec;
   if (fs::is_directory(dir, ec)) {
     fs::last_write_time(dir, fs::file_time_type::clock::now(), ec);  // used now: Prune keeps it
-    Prune(model.upload_id());  // a worker whose jobs all hit its cache still lets go of what none uses
+    PruneLocked(model.upload_id());  // a worker whose jobs all hit its cache still lets go of what none uses
     return dir;
   }
   RETURN_IF_ERROR(abort.Check());
-  Prune(model.upload_id());
+  PruneLocked(model.upload_id());
   const std::string tmp = dir + ".tmp";
   fs::remove_all(tmp, ec);
   fs::create_directories(tmp, ec);
@@ -193,6 +198,8 @@ absl::Status ModelCache::DownloadInto(const std::string& upload_id, const std::s
   v1::ModelChunk chunk;
   std::ofstream out;
   std::string file;
+  int64_t written = 0;         // of `file`
+  std::set<std::string> done;  // the files sent before it
   absl::Status failed;
   while (reader->Read(&chunk)) {
     received = true;
@@ -201,9 +208,22 @@ absl::Status ModelCache::DownloadInto(const std::string& upload_id, const std::s
       ctx.TryCancel();
       break;
     }
-    if (chunk.file() != file) {
+    // Each file whole, its chunks in order: a file sent again (it would be
+    // written over) or a chunk out of place is refused, never cached.
+    const bool next_file = chunk.file() != file;
+    if ((next_file && (done.count(chunk.file()) > 0 || chunk.offset() != 0)) ||
+        (!next_file && chunk.offset() != written)) {
+      failed = absl::InternalError(absl::StrCat("the coordinator sent ", chunk.file(), " out of order (a chunk at ",
+                                                chunk.offset(), ", where ", next_file ? 0 : written,
+                                                " was due): the download is refused"));
+      ctx.TryCancel();
+      break;
+    }
+    if (next_file) {
       out.close();
+      if (!file.empty()) done.insert(file);
       file = chunk.file();
+      written = 0;
       errno = 0;
       out.open(tmp + "/" + file, std::ios::binary | std::ios::trunc);
       if (!out.is_open()) {  // (no inode left: ENOSPC; the write below would make no call to report it)
@@ -220,6 +240,7 @@ absl::Status ModelCache::DownloadInto(const std::string& upload_id, const std::s
       ctx.TryCancel();
       break;
     }
+    written += static_cast<int64_t>(chunk.data().size());
   }
   out.close();
   const grpc::Status s = reader->Finish();  // after a cancel, returns at once
@@ -241,6 +262,18 @@ void ModelCache::Used(const v1::ModelSpec& model) {
 }
 
 void ModelCache::Prune(const std::string& keep) {
+  absl::MutexLock lock(&files_mu_);
+  PruneLocked(keep);
+}
+
+bool ModelCache::PruneIfIdle() {
+  if (!files_mu_.TryLock()) return false;  // a rank's download or lookup: it prunes itself
+  PruneLocked("");
+  files_mu_.Unlock();
+  return true;
+}
+
+void ModelCache::PruneLocked(const std::string& keep) {
   const fs::path uploads = fs::path(options_.work_dir) / "uploads";
   std::error_code ec;
   // A TTL past a century (inf included) keeps every upload: the clock's
@@ -254,12 +287,26 @@ void ModelCache::Prune(const std::string& keep) {
   // Nothing to prune where the listing fails (none made yet, most often).
   for (const std::string& name : ListDirectory(uploads.string()).value_or(std::vector<std::string>{})) {
     if (name == keep) continue;
-    // One rank (and so one download) runs at a time: any .tmp is a leftover.
+    // One rank (and so one download) runs at a time, and it holds
+    // files_mu_: any .tmp is a leftover, as is a removal a crash cut short.
     std::error_code time_ec;
     const fs::file_time_type used = fs::last_write_time(uploads / name, time_ec);
-    if (absl::EndsWith(name, ".tmp") || (!time_ec && used < cutoff)) stale.push_back(uploads / name);
+    if (absl::EndsWith(name, ".tmp") || absl::EndsWith(name, kRemoving) || (!time_ec && used < cutoff)) {
+      stale.push_back(uploads / name);
+    }
   }
-  for (const fs::path& p : stale) {
+  for (fs::path p : stale) {
+    // Out of the cache's names first: a removal cut short (a crash, an
+    // error midway) never leaves a part of an upload under its id.
+    if (!absl::EndsWith(p.filename().string(), ".tmp") && !absl::EndsWith(p.filename().string(), kRemoving)) {
+      const fs::path away = p.string() + kRemoving;
+      fs::rename(p, away, ec);
+      if (ec) {
+        COLOD_LOG(WARNING) << "cannot remove the cached upload " << p.string() << ": " << ec.message();
+        continue;
+      }
+      p = away;
+    }
     fs::remove_all(p, ec);
     if (ec) {
       COLOD_LOG(WARNING) << "cannot remove the cached upload " << p.string() << ": " << ec.message();

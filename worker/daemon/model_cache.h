@@ -11,8 +11,10 @@
 #include <optional>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "colod/v1/coordinator.grpc.pb.h"
 #include "colod/v1/job.pb.h"
@@ -22,8 +24,8 @@
 
 namespace colod {
 
-// Thread-compatible: the JobRunner runs one rank, and so one download, at
-// a time (a lock held across a download would block for minutes).
+// Thread-compatible but for PruneIfIdle, which may be called beside the
+// rest: the JobRunner runs one rank, and so one download, at a time.
 class ModelCache {
  public:
   struct Options {
@@ -79,8 +81,13 @@ class ModelCache {
   void Used(const v1::ModelSpec& model);
   // Removes downloaded uploads unused for cache_ttl, except `keep`, and
   // downloads a crash left unfinished (*.tmp). Weights calls it before
-  // each download.
-  void Prune(const std::string& keep);
+  // each download. An upload is renamed (ID.removing) before it is
+  // removed: a removal cut short leaves nothing under its id.
+  void Prune(const std::string& keep) ABSL_LOCKS_EXCLUDED(files_mu_);
+  // Prune, unless Weights runs (a rank's download or lookup, which prunes
+  // itself): false then. Never waits for it. For a worker short of disk
+  // that would refuse a rank (JobRunner).
+  bool PruneIfIdle() ABSL_LOCKS_EXCLUDED(files_mu_);
 
  private:
   // One DownloadModel call writing into `tmp`; `received` says whether any
@@ -88,6 +95,12 @@ class ModelCache {
   // marked as one to ask again after suggests.
   absl::Status DownloadInto(const std::string& upload_id, const std::string& tmp, absl::Time deadline,
                             AbortSignal& abort, bool& received, std::optional<absl::Duration>& retry_after);
+  void PruneLocked(const std::string& keep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(files_mu_);
+  static constexpr char kRemoving[] = ".removing";
+  // Held by Weights (across a download: no caller waits for it but
+  // Prune's) and Prune, so that PruneIfIdle never removes what a rank is
+  // downloading or about to use.
+  absl::Mutex files_mu_;
 
   const Options options_;
 };

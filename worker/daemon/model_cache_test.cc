@@ -30,7 +30,7 @@ namespace fs = std::filesystem;
 // cancelled, or a file name that climbs out of the directory.
 class FakeDownloads final : public v1::CoordinatorService::Service {
  public:
-  enum class Mode { kTwoFiles, kEndless, kBadName };
+  enum class Mode { kTwoFiles, kEndless, kBadName, kFileAgain, kChunkOutOfPlace };
   std::atomic<Mode> mode{Mode::kTwoFiles};
   std::atomic<int> calls{0};
   // The first this many calls are refused with `refusal`, as a coordinator
@@ -69,10 +69,26 @@ class FakeDownloads final : public v1::CoordinatorService::Service {
         c.set_file("model-00001.safetensors");
         c.set_data("first");
         out->Write(c);
+        c.set_offset(5);
         c.set_data(" part");
         out->Write(c);
         c.set_file("model-00002.safetensors");
+        c.set_offset(0);
         c.set_data("second");
+        out->Write(c);
+        return grpc::Status::OK;
+      case Mode::kFileAgain:        // the first file again, which would be written over
+      case Mode::kChunkOutOfPlace:  // a chunk past a gap
+        c.set_file("model-00001.safetensors");
+        c.set_data("first");
+        out->Write(c);
+        c.set_file(mode.load() == Mode::kFileAgain ? "model-00002.safetensors" : "model-00001.safetensors");
+        c.set_offset(mode.load() == Mode::kFileAgain ? 0 : 9);
+        c.set_data("second");
+        out->Write(c);
+        c.set_file("model-00001.safetensors");
+        c.set_offset(0);
+        c.set_data("again");
         out->Write(c);
         return grpc::Status::OK;
       case Mode::kBadName:
@@ -88,6 +104,7 @@ class FakeDownloads final : public v1::CoordinatorService::Service {
             saw_cancel = true;
             return grpc::Status::CANCELLED;
           }
+          c.set_offset(int64_t{1024} * i);
           out->Write(c);
           if (i == 0) streaming.Notify();
           absl::SleepFor(absl::Milliseconds(100));
@@ -388,6 +405,45 @@ TEST_F(ModelCacheTest, AFileNameThatLeavesTheDirectoryIsRefused) {
   EXPECT_FALSE(fs::exists(work_ + "/uploads/escaped.safetensors"));
   EXPECT_FALSE(fs::exists(work_ + "/uploads/evil"));
   EXPECT_FALSE(fs::exists(work_ + "/uploads/evil.tmp"));
+}
+
+// A download's files come whole, each chunk where the last ended: a file
+// sent again (it would be written over) or a chunk out of place fails the
+// download, and nothing of it is cached.
+TEST_F(ModelCacheTest, AFileSentAgainOrAChunkOutOfPlaceIsRefused) {
+  for (const FakeDownloads::Mode mode : {FakeDownloads::Mode::kFileAgain, FakeDownloads::Mode::kChunkOutOfPlace}) {
+    service_.mode = mode;
+    v1::ModelSpec spec;
+    spec.set_upload_id("disordered");
+    AbortSignal abort;
+    const absl::StatusOr<std::string> got = cache_->Weights(spec, abort);
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kInternal) << got.status();
+    EXPECT_TRUE(absl::StrContains(got.status().message(), "out of order")) << got.status();
+    EXPECT_FALSE(fs::exists(work_ + "/uploads/disordered"));
+    EXPECT_FALSE(fs::exists(work_ + "/uploads/disordered.tmp"));
+  }
+}
+
+// A removal cut short (a crash midway) leaves nothing under the upload's
+// id: an upload is renamed out of the cache's names before it is removed,
+// and what such a removal left is removed by the next prune. The cache's
+// own names are no upload ids.
+TEST_F(ModelCacheTest, AnUploadIsTakenOutOfTheCachesNamesBeforeItIsRemoved) {
+  const fs::path uploads = fs::path(work_) / "uploads";
+  fs::create_directories(uploads / "cut-short.removing");
+  std::ofstream(uploads / "cut-short.removing" / "model-00002.safetensors") << "half";
+  fs::create_directories(uploads / "stale");
+  fs::last_write_time(uploads / "stale", fs::file_time_type::clock::now() - std::chrono::hours(2));
+  EXPECT_TRUE(cache_->PruneIfIdle());
+  EXPECT_FALSE(fs::exists(uploads / "cut-short.removing"));
+  EXPECT_FALSE(fs::exists(uploads / "stale"));
+  EXPECT_FALSE(fs::exists(uploads / "stale.removing"));
+  for (const char* id : {"cut-short.removing", "x.tmp"}) {
+    v1::ModelSpec spec;
+    spec.set_upload_id(id);
+    AbortSignal abort;
+    EXPECT_EQ(cache_->Weights(spec, abort).status().code(), absl::StatusCode::kInvalidArgument) << id;
+  }
 }
 
 // A coordinator at its bound of downloads (or of server threads) refuses

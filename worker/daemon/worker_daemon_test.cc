@@ -4,6 +4,7 @@
 #include <malloc.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -14,17 +15,17 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "client/coordinator_client.h"
+#include "common/atomic_file.h"
+#include "common/host_memory.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
-#include "spec/job_validation.h"
-#include "tests/testing/temp_dir.h"
 #include "server/coordinator.h"
+#include "spec/job_validation.h"
 #include "tests/testing/grpc_probe.h"
 #include "tests/testing/job_specs.h"
-#include "common/atomic_file.h"
-#include "common/host_memory.h"
 #include "tests/testing/prometheus_text.h"
+#include "tests/testing/temp_dir.h"
 #include "worker/shardformer/testing.h"
 #include "worker/tensor/npy.h"
 
@@ -925,9 +926,21 @@ TEST(WorkerDaemon, AWorkDirWithTooLittleRoomRefusesRanksThatLoadAModel) {
   ASSERT_TRUE(room.ok()) << room.status();
   ASSERT_LT(room->free_bytes, std::numeric_limits<int64_t>::max() / 2);
   ro.min_free_work_dir_bytes = room->free_bytes * 2;  // more than there is
+  // An upload no rank used for the TTL, and one used lately: the first goes
+  // before the worker refuses for want of room (before, only a download
+  // removed uploads, and a worker refusing every rank never made one).
+  const std::filesystem::path uploads = std::filesystem::path(ro.work_dir) / "uploads";
+  for (const char* id : {"stale", "recent"}) {
+    std::filesystem::create_directories(uploads / id);
+    std::ofstream(uploads / id / "model.safetensors") << id;
+  }
+  std::filesystem::last_write_time(uploads / "stale",
+                                   std::filesystem::file_time_type::clock::now() - std::chrono::hours(2));
   {
     JobRunner runner(ro);
     const absl::Status refused = runner.Assign(RankZero("job-515151", MidSizeTrainSpec()));
+    EXPECT_FALSE(std::filesystem::exists(uploads / "stale"));
+    EXPECT_TRUE(std::filesystem::exists(uploads / "recent"));
     EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
     EXPECT_TRUE(absl::StrContains(refused.message(), "its --work-dir '" + ro.work_dir + "' has ")) << refused;
     EXPECT_TRUE(absl::StrContains(refused.message(), "of --min-free-work-dir")) << refused;
