@@ -5,6 +5,7 @@
 #include <string>
 
 #include "absl/strings/cord.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/string_view.h"
 #include "common/text.h"
@@ -66,6 +67,11 @@ std::optional<absl::Duration> RetryAfter(const grpc::ClientContext& ctx) {
     return std::nullopt;
   }
   return absl::Milliseconds(ms);
+}
+
+bool IsBusyRefusal(const grpc::Status& status, const grpc::ClientContext& ctx) {
+  return status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
+         (RetryAfter(ctx).has_value() || absl::StrContains(status.error_message(), "Threadpool Exhausted"));
 }
 
 absl::Status MarkUnreachable(absl::Status status) {

@@ -41,6 +41,11 @@ void SetRetryAfter(grpc::ServerContext& ctx, absl::Duration wait);
 // where the server marked none (or sent one that does not parse). Only
 // after the call has finished (Finish, or a unary call's return).
 std::optional<absl::Duration> RetryAfter(const grpc::ClientContext& ctx);
+// Whether a finished call's refusal is one for want of room now, to ask
+// again later: RESOURCE_EXHAUSTED marked so (RetryAfter), or gRPC's own when
+// the server found no thread for the call (its resource quota: a sync
+// server's fixed text "Server Threadpool Exhausted", which carries no mark).
+bool IsBusyRefusal(const grpc::Status& status, const grpc::ClientContext& ctx);
 
 // A client's call that failed UNAVAILABLE or DEADLINE_EXCEEDED without an
 // answer from its server: the server could not be reached (refused, no

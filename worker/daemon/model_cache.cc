@@ -28,13 +28,12 @@ namespace {
 namespace fs = std::filesystem;
 
 // The text of a RESOURCE_EXHAUSTED refusal for want of room that carries no
-// mark of ours (RetryAfter): gRPC's own when a call finds no server thread
-// (its resource quota: the coordinator's --max-server-threads), the sync
-// server's fixed text; and a coordinator's from before the mark (2026-12),
-// at its --max-concurrent-downloads (mixed versions during an upgrade,
-// workers first).
-bool IsUnmarkedBusyText(absl::string_view message) {
-  return absl::StrContains(message, "Threadpool Exhausted") || absl::StrContains(message, "--max-concurrent-downloads");
+// mark of ours (RetryAfter), beside gRPC's own (IsBusyRefusal): a
+// coordinator's from before the mark (2026-12), at its
+// --max-concurrent-downloads (mixed versions during an upgrade, workers
+// first).
+bool IsUnmarkedDownloadsBusyText(absl::string_view message) {
+  return absl::StrContains(message, "--max-concurrent-downloads");
 }
 
 // An error of writing into the worker's own --work-dir: a full disk there
@@ -138,16 +137,14 @@ absl::StatusOr<std::string> ModelCache::Weights(const v1::ModelSpec& model, Abor
                      absl::FormatDuration(options_.download_timeout), " (", busy.message(), ")"));
   };
   for (int refusals = 0;; ++refusals) {
-    bool received = false;
+    bool received = false, busy_refusal = false;
     std::optional<absl::Duration> retry_after;
-    const absl::Status s = DownloadInto(model.upload_id(), tmp, deadline, abort, received, retry_after);
+    const absl::Status s = DownloadInto(model.upload_id(), tmp, deadline, abort, received, retry_after, busy_refusal);
     // The deadline passing during a last ask that got nothing: it was the wait.
     if (!busy.ok() && !received && absl::IsDeadlineExceeded(s)) return stayed_busy();
     // A coordinator at its bound of downloads (its refusal says when to ask
     // again) or of server threads refuses before it sends anything: wait
     // and ask again.
-    const bool busy_refusal =
-        absl::IsResourceExhausted(s) && (retry_after.has_value() || IsUnmarkedBusyText(s.message()));
     if (s.ok() || received || !busy_refusal) {
       RETURN_IF_ERROR(s);
       break;
@@ -185,7 +182,8 @@ absl::StatusOr<std::string> ModelCache::Weights(const v1::ModelSpec& model, Abor
 }
 
 absl::Status ModelCache::DownloadInto(const std::string& upload_id, const std::string& tmp, absl::Time deadline,
-                                      AbortSignal& abort, bool& received, std::optional<absl::Duration>& retry_after) {
+                                      AbortSignal& abort, bool& received, std::optional<absl::Duration>& retry_after,
+                                      bool& busy_refusal) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(deadline));
   AddAuthToken(ctx, options_.auth_token);
@@ -244,7 +242,11 @@ absl::Status ModelCache::DownloadInto(const std::string& upload_id, const std::s
   }
   out.close();
   const grpc::Status s = reader->Finish();  // after a cancel, returns at once
-  if (!s.ok()) retry_after = RetryAfter(ctx);
+  if (!s.ok()) {
+    retry_after = RetryAfter(ctx);
+    busy_refusal = IsBusyRefusal(s, ctx) || (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
+                                             IsUnmarkedDownloadsBusyText(s.error_message()));
+  }
   RETURN_IF_ERROR(abort.Check());
   RETURN_IF_ERROR(failed);
   if (!s.ok()) {

@@ -92,9 +92,12 @@ class ModelCache {
  private:
   // One DownloadModel call writing into `tmp`; `received` says whether any
   // chunk came (a refusal sends none), `retry_after` the wait a refusal
-  // marked as one to ask again after suggests.
+  // marked as one to ask again after suggests, `busy_refusal` whether the
+  // refusal is one for want of room (IsBusyRefusal, or an older
+  // coordinator's at its --max-concurrent-downloads).
   absl::Status DownloadInto(const std::string& upload_id, const std::string& tmp, absl::Time deadline,
-                            AbortSignal& abort, bool& received, std::optional<absl::Duration>& retry_after);
+                            AbortSignal& abort, bool& received, std::optional<absl::Duration>& retry_after,
+                            bool& busy_refusal);
   void PruneLocked(const std::string& keep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(files_mu_);
   static constexpr char kRemoving[] = ".removing";
   // Held by Weights (across a download: no caller waits for it but

@@ -252,10 +252,17 @@ absl::StatusOr<ProgressReporter::Answer> ProgressReporter::Send(v1::ReportProgre
     }
     last = FromGrpcStatus(s);
     COLOD_LOG(WARNING) << "job " << job_id_ << ": progress report failed: " << last;
-    if (s.error_code() != grpc::StatusCode::UNAVAILABLE && s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+    // A coordinator at its --max-server-threads refuses for want of room
+    // now: not heard, as one away is (before, the report was dropped, and a
+    // final one's result lost).
+    const bool busy = IsBusyRefusal(s, ctx);
+    if (s.error_code() != grpc::StatusCode::UNAVAILABLE && s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED &&
+        !busy) {
       return last;  // refused, not lost: trying it again would not help
     }
-    absl::SleepFor(absl::Milliseconds(200) * (attempt + 1));
+    absl::SleepFor(
+        std::min(std::max(absl::Milliseconds(200) * (attempt + 1), RetryAfter(ctx).value_or(absl::ZeroDuration())),
+                 absl::Seconds(2)));
   }
   // Not delivered (the coordinator is away or did not answer in time):
   // UNAVAILABLE, so that a step is kept.

@@ -29,7 +29,8 @@ class FakeReports final : public v1::CoordinatorService::Service {
   // job: one that restarted records a late step so).
   // kDenied: UNAUTHENTICATED (a worker whose token the coordinator does
   // not take).
-  enum class Answer { kOk, kUnavailable, kRefuse, kHang, kStop, kStale, kDenied };
+  // kBusy: gRPC's own refusal of a server with no thread left.
+  enum class Answer { kOk, kUnavailable, kRefuse, kHang, kStop, kStale, kDenied, kBusy };
   void Set(Answer a) {
     absl::MutexLock lock(&mu_);
     answer_ = a;
@@ -70,6 +71,8 @@ class FakeReports final : public v1::CoordinatorService::Service {
     auto answered = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return answer_ != Answer::kHang; };
     mu_.AwaitWithTimeout(absl::Condition(&answered), absl::Seconds(30));
     if (answer_ == Answer::kUnavailable) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "away");
+    if (answer_ == Answer::kBusy)
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "Server Threadpool Exhausted");
     if (answer_ == Answer::kRefuse) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "refused");
     if (answer_ == Answer::kDenied) return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "invalid bearer token");
     // As the coordinator's validation does.
@@ -166,6 +169,20 @@ TEST_F(ProgressReporterTest, StepsKeptDuringAnOutageArriveInOrderAfterTheLastDel
   WaitDelivered(7);
   EXPECT_EQ(reporter_->undelivered(), 0u);
   EXPECT_EQ(service_.Accepted(), (std::vector<int64_t>{1, 2, 1, 2, 3, 4, 5}));
+}
+
+// A coordinator with no server thread left refuses for want of room now:
+// the report is kept and sent again, as while it is away (before, it was
+// dropped as refused for good).
+TEST_F(ProgressReporterTest, AReportABusyCoordinatorRefusedIsKept) {
+  service_.Set(FakeReports::Answer::kBusy);
+  EXPECT_FALSE(Step(1));
+  WaitKept(1);
+  service_.Set(FakeReports::Answer::kOk);
+  EXPECT_FALSE(Step(2));
+  WaitDelivered(2);
+  EXPECT_EQ(reporter_->undelivered(), 0u);
+  EXPECT_EQ(service_.Accepted(), (std::vector<int64_t>{1, 2}));
 }
 
 TEST_F(ProgressReporterTest, ARefusedReportIsDroppedNotKept) {

@@ -287,6 +287,21 @@ bool WorkerDaemon::WaitRegistered(absl::Duration timeout) const {
   return mu_.AwaitWithTimeout(absl::Condition(&registered), timeout);
 }
 
+absl::Duration WorkerDaemon::HeartbeatInterval(const v1::RegisterWorkerResponse& resp) {
+  // What the coordinator asks, within sense: none (or a malformed one) is
+  // 2 s, not a heartbeat at every wake; never under 10 ms, and at most a
+  // third of the lease (or a minute without one), not a sleep that lets it
+  // expire.
+  const absl::Duration asked = IsValidProtoDuration(resp.heartbeat_interval())
+                                   ? FromProtoDuration(resp.heartbeat_interval())
+                                   : absl::ZeroDuration();
+  const absl::Duration lease =
+      IsValidProtoDuration(resp.lease_duration()) ? FromProtoDuration(resp.lease_duration()) : absl::ZeroDuration();
+  const absl::Duration most =
+      lease > absl::ZeroDuration() ? std::max(lease / 3, absl::Milliseconds(10)) : absl::Minutes(1);
+  return std::clamp(asked > absl::ZeroDuration() ? asked : absl::Seconds(2), absl::Milliseconds(10), most);
+}
+
 absl::Status WorkerDaemon::RegisterOnce() {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
@@ -297,11 +312,15 @@ absl::Status WorkerDaemon::RegisterOnce() {
   req.set_worker_key(key_->key());
   v1::RegisterWorkerResponse resp;
   RETURN_IF_ERROR(FromGrpcStatus(coordinator_->RegisterWorker(&ctx, req, &resp)));
+  if (resp.worker_id().empty() || resp.worker_id().size() > 256) {
+    return absl::InternalError(absl::StrCat("the coordinator answered the registration with a worker id of ",
+                                            resp.worker_id().size(), " bytes"));
+  }
   // From now on only calls carrying the key, where the coordinator sends it.
   key_->SetTaken(resp.worker_key_taken());
   absl::MutexLock lock(&mu_);
   worker_id_ = resp.worker_id();
-  heartbeat_interval_ = std::max(FromProtoDuration(resp.heartbeat_interval()), absl::Milliseconds(10));
+  heartbeat_interval_ = HeartbeatInterval(resp);
   return absl::OkStatus();
 }
 
@@ -372,8 +391,12 @@ void WorkerDaemon::CoordinatorLoop() {
       wait = absl::ZeroDuration();
     } else {
       // Log the first failure and then every tenth, so a down coordinator
-      // does not flood the log.
-      if (failures++ % 10 == 0) {
+      // does not flood the log; a refusal that asking again cannot mend (a
+      // bad address, a token the coordinator does not take) every time.
+      const bool will_not_mend = s.code() == absl::StatusCode::kInvalidArgument ||
+                                 s.code() == absl::StatusCode::kPermissionDenied ||
+                                 s.code() == absl::StatusCode::kUnauthenticated;
+      if (failures++ % 10 == 0 || will_not_mend) {
         COLOD_LOG(WARNING) << (registered ? "heartbeat" : "registration") << " to "
                            << options_.coordinator << " failed: " << s;
       }

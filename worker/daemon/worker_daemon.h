@@ -138,6 +138,11 @@ class WorkerDaemon {
   // memory at its edge.
   static int64_t DefaultRankMemory(int64_t device_bytes);
 
+  // The heartbeat interval a registration's answer asks for, within sense:
+  // 2 s where it asks none; at least 10 ms; at most a third of its lease
+  // (a minute without one).
+  static absl::Duration HeartbeatInterval(const v1::RegisterWorkerResponse& resp);
+
  private:
   explicit WorkerDaemon(Options options);
   void CoordinatorLoop();

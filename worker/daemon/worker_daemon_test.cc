@@ -17,6 +17,7 @@
 #include "client/coordinator_client.h"
 #include "common/atomic_file.h"
 #include "common/host_memory.h"
+#include "common/proto_time.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
@@ -682,6 +683,28 @@ TEST(WorkerDaemon, AWorkerThatShutsDownWithoutADrainTakesNoRank) {
   const std::vector<v1::Worker> listed = coordinator->workers().List(false);
   ASSERT_EQ(listed.size(), 1u);
   EXPECT_EQ(listed[0].status().state(), v1::WORKER_STATE_IDLE);
+}
+
+// The heartbeat interval a registration's answer asks for is kept within
+// sense: an answer without one (or a malformed one) does not make the
+// worker heartbeat at every wake, nor a huge one let its lease expire.
+TEST(WorkerDaemon, TheHeartbeatIntervalIsBoundedByTheLease) {
+  const auto interval = [](absl::Duration asked, absl::Duration lease) {
+    v1::RegisterWorkerResponse r;
+    if (asked != absl::ZeroDuration()) *r.mutable_heartbeat_interval() = ToProtoDuration(asked);
+    if (lease != absl::ZeroDuration()) *r.mutable_lease_duration() = ToProtoDuration(lease);
+    return WorkerDaemon::HeartbeatInterval(r);
+  };
+  EXPECT_EQ(interval(absl::Milliseconds(500), absl::Seconds(10)), absl::Milliseconds(500));
+  EXPECT_EQ(interval(absl::ZeroDuration(), absl::Seconds(10)), absl::Seconds(2));
+  EXPECT_EQ(interval(absl::Hours(1), absl::Seconds(9)), absl::Seconds(3));
+  EXPECT_EQ(interval(absl::Hours(1), absl::ZeroDuration()), absl::Minutes(1));
+  EXPECT_EQ(interval(absl::Microseconds(1), absl::Seconds(10)), absl::Milliseconds(10));
+  EXPECT_EQ(interval(-absl::Seconds(5), absl::Seconds(10)), absl::Seconds(2));
+  v1::RegisterWorkerResponse malformed;
+  malformed.mutable_heartbeat_interval()->set_seconds(1);
+  malformed.mutable_heartbeat_interval()->set_nanos(-5);  // signs disagree
+  EXPECT_EQ(WorkerDaemon::HeartbeatInterval(malformed), absl::Seconds(2));
 }
 
 // A TENSOR job's rank whose group broke (here its peer went away in a
