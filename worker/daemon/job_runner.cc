@@ -604,7 +604,7 @@ absl::Status JobRunner::RunRank(Active& active) {
     // the bare id's that a worker from before the uid wrote (a rolling
     // upgrade).
     if (req.resume_own_checkpoints()) options.resume_writers = std::vector<std::string>{options.job, req.job_id()};
-    if (!options_.paths.unrestricted()) {
+    if (!options_.paths.unrestricted() || !options_.paths.reserved().empty()) {
       options.check_path = [paths = options_.paths](const std::string& path) {
         return paths.Check("spec.train: a checkpoint of resume_from or checkpoint_dir", path);
       };

@@ -74,16 +74,26 @@ absl::Status PathPolicy::Check(absl::string_view field, const std::string& path)
     // The check would see one path and open() another (the bytes before it).
     return absl::PermissionDeniedError(absl::StrCat(field, ": the path holds a NUL byte"));
   }
-  if (unrestricted() || path.empty()) return absl::OkStatus();
+  if ((unrestricted() && reserved_.empty()) || path.empty()) return absl::OkStatus();
   std::error_code ec;
   // The parts that exist are resolved through their links; the rest (an
   // output not written yet) lexically, so ".." cannot climb out.
   const fs::path resolved = fs::weakly_canonical(fs::absolute(path, ec), ec);
-  if (!ec) {
-    const std::string s = resolved.lexically_normal().string();
-    for (const std::string& root : roots_) {
-      if (Under(s, root)) return absl::OkStatus();
-    }
+  if (ec) {  // (fails closed: what cannot be resolved is not known to lie outside)
+    return absl::PermissionDeniedError(absl::StrCat(field, ": '", path, "' cannot be resolved: ", ec.message()));
+  }
+  const std::string s = resolved.lexically_normal().string();
+  // None in the worker's own directory, however it is reached (a link in a
+  // weights directory to a cached upload, too).
+  if (!reserved_.empty() && Under(s, reserved_)) {
+    return absl::PermissionDeniedError(absl::StrCat(field, ": '", path, "' is in this worker's own directory (",
+                                                    reserved_,
+                                                    ", --work-dir: its download cache and scratch), "
+                                                    "which no job may name"));
+  }
+  if (unrestricted()) return absl::OkStatus();
+  for (const std::string& root : roots_) {
+    if (Under(s, root)) return absl::OkStatus();
   }
   return absl::PermissionDeniedError(absl::StrCat(field, ": '", path,
                                                   "' is outside the paths this worker allows (--allow-path ",
@@ -108,23 +118,8 @@ absl::Status PathPolicy::CheckJob(const v1::JobSpec& spec) const {
       {"spec.forward.labels_path", spec.forward().labels_path()},
       {"spec.forward.decoder_input_path", spec.forward().decoder_input_path()},
   };
-  // None in the worker's own directory: resolved as Check resolves it.
-  const auto not_reserved = [&](absl::string_view field, const std::string& path) -> absl::Status {
-    if (reserved_.empty() || path.empty()) return absl::OkStatus();
-    std::error_code ec;
-    const fs::path resolved = fs::weakly_canonical(fs::absolute(path, ec), ec);
-    if (ec) {  // (fails closed: what cannot be resolved is not known to lie outside)
-      return absl::PermissionDeniedError(absl::StrCat(field, ": '", path, "' cannot be resolved: ", ec.message()));
-    }
-    if (!Under(resolved.lexically_normal().string(), reserved_)) return absl::OkStatus();
-    return absl::PermissionDeniedError(absl::StrCat(field, ": '", path, "' is in this worker's own directory (",
-                                                    reserved_,
-                                                    ", --work-dir: its download cache and scratch), "
-                                                    "which no job may name"));
-  };
   for (const Named& n : paths) {
     if (absl::Status s = Check(n.field, n.path); !s.ok()) return s;
-    RETURN_IF_ERROR(not_reserved(n.field, n.path));
   }
   // Training data may name a Megatron dataset by its prefix, .bin or .idx:
   // every file the corpus may open is checked (each may be a link).
@@ -133,7 +128,6 @@ absl::Status PathPolicy::CheckJob(const v1::JobSpec& spec) const {
     if (data.path.empty()) continue;
     for (const std::string& file : train::DataFiles(data.path)) {
       if (absl::Status s = Check(data.field, file); !s.ok()) return s;
-      RETURN_IF_ERROR(not_reserved(data.field, file));
     }
   }
   return absl::OkStatus();

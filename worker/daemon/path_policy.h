@@ -31,13 +31,13 @@ class PathPolicy {
 
   // OK when `path`, resolved as the worker would open it (relative to its
   // working directory, through symbolic links and ".." of the parts that
-  // exist), is a root or lies under one. PERMISSION_DENIED naming `field`,
-  // the path and the roots otherwise, and for a path holding a NUL byte
-  // (even with no roots: open() would stop at it).
+  // exist), is a root or lies under one, and is not in the reserved
+  // directory (whatever the roots, none included). PERMISSION_DENIED naming
+  // `field`, the path and the roots otherwise, and for a path holding a NUL
+  // byte (even with no roots: open() would stop at it).
   absl::Status Check(absl::string_view field, const std::string& path) const;
 
-  // Every path `spec` names (empty ones are not paths): Check, and none at
-  // or under the reserved directory, whatever the roots.
+  // Every path `spec` names (empty ones are not paths): Check.
   absl::Status CheckJob(const v1::JobSpec& spec) const;
 
   // The worker's own directory (its --work-dir: the download cache, its

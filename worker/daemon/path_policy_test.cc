@@ -146,9 +146,15 @@ TEST_F(PathPolicyTest, NoJobNamesTheWorkersOwnDirectory) {
                       s.mutable_train()->set_final_dir(base_ + "/data/working-copy");  // a sibling name
                     }))
                     .ok());
-    // The worker's own files are not checked through it (a rank's copy of
-    // an upload lives there).
-    EXPECT_TRUE(policy.Check("f", work + "/uploads").ok());
+    // Nor is a file of it reached through a link in an allowed directory
+    // (a weights directory's file, which Materialize checks one by one).
+    const std::string linked = base_ + "/data/weights-" + std::to_string(policy.unrestricted());
+    fs::create_directories(linked);
+    fs::create_symlink(work + "/uploads/upload-000001-00000000000000aa/model.safetensors",
+                       linked + "/model.safetensors");
+    const absl::Status through_link = policy.Check("spec.model.weights_path", linked + "/model.safetensors");
+    EXPECT_EQ(through_link.code(), absl::StatusCode::kPermissionDenied) << through_link;
+    EXPECT_NE(through_link.message().find("is in this worker's own directory"), std::string::npos) << through_link;
   }
   PathPolicy none;
   EXPECT_EQ(none.Reserve(base_ + "/missing").code(), absl::StatusCode::kInvalidArgument);
