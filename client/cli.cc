@@ -208,10 +208,22 @@ bool StdoutReaderGone() {
 
 int RunOnCoordinatorOrEmbeddedCluster(int workers, const std::function<int(const std::string& address)>& fn) {
   const std::string explicit_address = ExplicitCoordinator();
+  // The client's flags (--timeout, --watch-timeout, the token and TLS
+  // files) are checked before a cluster starts or a model is uploaded: a
+  // usage error, exit 2, whatever the command (the client connects lazily).
+  if (auto client = MakeClient(explicit_address.empty() ? "127.0.0.1:7070" : explicit_address); !client.ok()) {
+    return Usage(std::string(client.status().message()));
+  }
   if (!explicit_address.empty()) return fn(explicit_address);
   if (EmptyCoordinatorEnv()) {
     return Usage("$COLOD_COORDINATOR is set but empty: give HOST:PORT, or unset it to run on an embedded cluster of "
                  "this machine");
+  }
+  if (absl::StatusOr<Security> security = SecurityFromFlags(/*token_from_env=*/true);
+      security.ok() && security->tls.enabled()) {
+    return Usage(
+        "--tls-cert, --tls-key and --tls-ca are for a coordinator you name (--coordinator, or "
+        "$COLOD_COORDINATOR): the embedded cluster of this machine runs without TLS");
   }
   // Ctrl-C, SIGTERM or SIGHUP stops the cluster (its daemons, and its
   // temporary directory with their state and logs), then exits 128 + the

@@ -66,6 +66,44 @@ void ExpectSameLossesAtEveryLayout(const std::vector<std::string>& common,
   EXPECT_LT(runs[0][3]["loss"].get<double>(), runs[0][0]["loss"].get<double>());
 }
 
+// A mistake in the client's own flags is a usage error before an embedded
+// cluster starts (before, a coordinator and its workers started and were
+// torn down first), and TLS flags, which only a named coordinator takes,
+// are refused for the embedded one.
+TEST(Train, ClientFlagMistakesAreRefusedBeforeAClusterStarts) {
+  shardformer::testing::TinyOptions o;
+  o.vocab = 257;
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("gpt2-flags"), o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::vector<std::string> train = {"train",
+                                          "--model",
+                                          model->dir,
+                                          "--data",
+                                          "/usr/share/common-licenses/GPL-3",
+                                          "--steps",
+                                          "1",
+                                          "--batch-size",
+                                          "8",
+                                          "--seq-len",
+                                          "16",
+                                          "--tp",
+                                          "1",
+                                          "--dp",
+                                          "8"};
+  std::vector<std::string> args = train;
+  args.insert(args.end(), {"--watch-timeout", "0s"});
+  absl::Time start = absl::Now();
+  auto r = Coloctl(args);
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("--watch-timeout: must be > 0"), std::string::npos) << r.err;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3)) << "8 workers started first?";
+  args = train;
+  args.insert(args.begin(), {"--tls-ca", "/usr/share/common-licenses/GPL-3"});
+  r = Coloctl(args);
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("--tls"), std::string::npos) << r.err;
+}
+
 TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
   shardformer::testing::TinyOptions o;
   o.vocab = 257;  // byte-level text
