@@ -82,6 +82,15 @@ TEST(ValidateJobSpec, RejectsBadFieldsByName) {
   s.mutable_shard()->set_tensor_parallel_size(0);
   ExpectInvalid(s, "spec.shard.tensor_parallel_size");
 
+  // Text that is not UTF-8 (protobuf's parse would refuse the request, as
+  // INTERNAL), named by its field, nested and in a map too.
+  s = TrainSpec();
+  s.mutable_train()->set_data_path("/data/\xff\xfe.bin");
+  ExpectInvalid(s, "spec.train.data_path: not valid UTF-8");
+  s = TrainSpec();
+  (*s.mutable_labels())["team"] = "caf\xe9";
+  ExpectInvalid(s, "spec.labels[0].value: not valid UTF-8");
+
   s = TrainSpec();
   s.mutable_shard()->set_data_parallel_size(-1);
   ExpectInvalid(s, "spec.shard.data_parallel_size");

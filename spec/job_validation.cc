@@ -16,6 +16,8 @@
 #include "common/proto_time.h"
 #include "common/status_macros.h"
 #include "common/text.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/message.h"
 #include "nlohmann/json.hpp"
 #include "spec/model_config.h"
 
@@ -27,6 +29,37 @@ absl::Status Invalid(absl::string_view path, absl::string_view field, absl::stri
   return absl::InvalidArgumentError(absl::StrCat(path, ".", field, ": ", why));
 }
 
+// Every string field of `m` (at `path`), nested and repeated ones too, is
+// UTF-8: protobuf's parse refuses one that is not, so a spec holding one
+// (a path or a name with other bytes) cannot be sent, and the sender would
+// hear only INTERNAL. Said here, naming the field, before anything is sent.
+absl::Status CheckUtf8Strings(const google::protobuf::Message& m, const std::string& path) {
+  const google::protobuf::Reflection* r = m.GetReflection();
+  std::vector<const google::protobuf::FieldDescriptor*> fields;
+  r->ListFields(m, &fields);
+  for (const google::protobuf::FieldDescriptor* f : fields) {
+    const std::string at = absl::StrCat(path, ".", f->name());
+    if (f->type() == google::protobuf::FieldDescriptor::TYPE_STRING) {
+      const int n = f->is_repeated() ? r->FieldSize(m, f) : 1;
+      for (int i = 0; i < n; ++i) {
+        const std::string v = f->is_repeated() ? r->GetRepeatedString(m, f, i) : r->GetString(m, f);
+        if (!IsValidUtf8(v)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(at, f->is_repeated() ? absl::StrCat("[", i, "]") : "", ": not valid UTF-8 text"));
+        }
+      }
+    } else if (f->type() == google::protobuf::FieldDescriptor::TYPE_MESSAGE) {
+      if (f->is_repeated()) {
+        for (int i = 0; i < r->FieldSize(m, f); ++i) {
+          RETURN_IF_ERROR(CheckUtf8Strings(r->GetRepeatedMessage(m, f, i), absl::StrCat(at, "[", i, "]")));
+        }
+      } else {
+        RETURN_IF_ERROR(CheckUtf8Strings(r->GetMessage(m, f), at));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
 
 // The model's config.json must parse for a family the workers know, and the
 // shard layout must fit it (heads divisible by tp, ...): a job that cannot
@@ -433,6 +466,7 @@ absl::Status CheckMemoryFloorComputes(const ModelConfig& config, const v1::JobSp
 }  // namespace
 
 absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
+  RETURN_IF_ERROR(CheckUtf8Strings(spec, "spec"));
   // Names and labels are listed with every job: bounded, so that no job can
   // make ListJobs too large for anyone.
   if (spec.name().size() > kMaxJobNameBytes) {
