@@ -14,6 +14,7 @@
 #include "client/coordinator_client.h"
 #include "client/job_flags.h"
 #include "common/atomic_file.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 
 namespace colod::cli {
@@ -102,6 +103,31 @@ TEST(SetModelFromDir, NamesTheJobAfterTheDirectoryHoweverItIsWritten) {
     ASSERT_TRUE(SetModelFromDir(written, spec).ok()) << written;
     EXPECT_EQ(spec.name(), name) << written;
   }
+}
+
+// --coordinator HOST:PORT names a host, whatever it is called: "unix:7070"
+// is the host "unix", never the local socket ./7070 gRPC would make of it.
+TEST(CoordinatorClient, AHostNamedLikeAGrpcSchemeIsAHost) {
+  const std::string dir = FreshDir("unix-scheme");
+  char cwd[4096];
+  ASSERT_NE(::getcwd(cwd, sizeof(cwd)), nullptr);
+  ASSERT_EQ(::chdir(dir.c_str()), 0);
+  grpc::ServerBuilder b;
+  b.AddListeningPort("unix:7070", grpc::InsecureServerCredentials());  // ./7070, serving nothing of colod's
+  std::unique_ptr<grpc::Server> server = b.BuildAndStart();
+  ASSERT_EQ(::chdir(cwd), 0);
+  ASSERT_NE(server, nullptr);
+  CoordinatorClient::Options options;
+  options.timeout = absl::Seconds(3);
+  auto client = CoordinatorClient::Create("unix:7070", options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_EQ(::chdir(dir.c_str()), 0);
+  const absl::Status s = (*client)->ListWorkers(false).status();
+  ASSERT_EQ(::chdir(cwd), 0);
+  // Reaching the socket would be UNIMPLEMENTED (no CoordinatorService there).
+  EXPECT_NE(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_FALSE(s.ok());
+  server->Shutdown();
 }
 
 TEST(CoordinatorClient, RefusesATokenAHeaderCannotCarry) {

@@ -92,7 +92,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(con
     return absl::InvalidArgumentError(absl::StrCat("keepalive: time must be >= ", absl::FormatDuration(kMinKeepaliveTime),
                                                    " and timeout > 0"));
   }
-  std::shared_ptr<grpc::Channel> channel = CreateKeepaliveChannel(address, credentials, options.keepalive);
+  // HOST:PORT goes through DNS, whatever HOST is (gRPC would take "unix:7070"
+  // for a local socket); another target (a scheme of gRPC's) as it is.
+  const std::string target =
+      ParseHostPort(address, "address", /*allow_zero_port=*/false).ok() ? DialTarget(address) : address;
+  std::shared_ptr<grpc::Channel> channel = CreateKeepaliveChannel(target, credentials, options.keepalive);
   return std::unique_ptr<CoordinatorClient>(new CoordinatorClient(address, options, std::move(channel)));
 }
 

@@ -30,7 +30,7 @@ absl::StatusOr<ServingStatus> CheckHealth(const std::string& address, const std:
   RETURN_IF_ERROR(ParseHostPort(address, "address", /*allow_zero_port=*/false).status());
   if (options.timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("timeout: must be > 0");
   auto channel = grpc::CreateChannel(
-      address, options.credentials != nullptr ? options.credentials : grpc::InsecureChannelCredentials());
+      DialTarget(address), options.credentials != nullptr ? options.credentials : grpc::InsecureChannelCredentials());
   grpc::GenericStub stub(channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + options.timeout));
