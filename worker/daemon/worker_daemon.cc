@@ -51,7 +51,15 @@ absl::Status DescribeDevice(const WorkerDaemon::Options& o, v1::WorkerInfo& info
     }
     use_cuda = true;
   } else if (o.device == "auto") {
-    use_cuda = kernels::CudaDeviceCount() > o.device_ordinal;
+    // GPUs here, and an ordinal past them, is a mistake (a pod given fewer
+    // GPUs than it was numbered for), not a CPU worker with the host's memory.
+    const int gpus = kernels::CudaDeviceCount();
+    if (gpus > 0 && o.device_ordinal >= gpus) {
+      return absl::InvalidArgumentError(absl::StrCat("--device-ordinal: ", o.device_ordinal, ", and this machine has ",
+                                                     gpus, " CUDA devices (0 to ", gpus - 1,
+                                                     "); give --device=cpu for a CPU worker"));
+    }
+    use_cuda = gpus > o.device_ordinal;
   } else {
     return absl::InvalidArgumentError(
         absl::StrCat("--device: '", o.device, "' is not one of auto, cpu, cuda"));

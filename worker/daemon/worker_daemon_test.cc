@@ -21,6 +21,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
+#include "kernels/device.h"
 #include "server/coordinator.h"
 #include "spec/job_validation.h"
 #include "tests/testing/grpc_probe.h"
@@ -227,6 +228,16 @@ TEST(WorkerDaemon, RejectsBadOptions) {
   o.device = "cpu";
   o.device_ordinal = -1;
   EXPECT_EQ(WorkerDaemon::Start(o).status().code(), absl::StatusCode::kInvalidArgument);
+  // An ordinal past the machine's GPUs (the emulation's 4) is a mistake,
+  // not a CPU worker. (Without GPUs, --device=auto is a CPU worker.)
+  if (kernels::CudaDeviceCount() > 0) {
+    o.device = "auto";
+    o.device_ordinal = kernels::CudaDeviceCount();
+    const absl::Status past = WorkerDaemon::Start(o).status();
+    EXPECT_EQ(past.code(), absl::StatusCode::kInvalidArgument) << past;
+    EXPECT_NE(past.message().find("--device-ordinal"), std::string::npos) << past;
+  }
+  o.device = "cpu";
   o.device_ordinal = 0;
   o.coordinator = "nowhere";
   EXPECT_EQ(WorkerDaemon::Start(o).status().code(), absl::StatusCode::kInvalidArgument);
