@@ -3,8 +3,19 @@
 // coloctl runs it for them, on the same command line (cli.h: RunInProcess);
 // it is a binary of its own so that coloctl, which orchestration hosts
 // install to talk gRPC, links none of the trainer, the models or the kernels.
+#include <signal.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
 #include "client/cli.h"
 #include "client/in_process_commands.h"
+#include "common/atomic_file.h"
+#include "common/grpc_server.h"
 
 namespace colod::cli {
 namespace {
@@ -23,6 +34,18 @@ constexpr char kEpilogue[] =
 }  // namespace colod::cli
 
 int main(int argc, char** argv) {
+  // Ctrl-C, SIGTERM or SIGHUP ends the command as they would, exit 128 + the
+  // signal, but first removes the files it was writing and had not renamed
+  // (a tokenizer's dataset of gigabytes, a consolidated model, a tensor's
+  // --out): before, they stayed beside their destination.
+  colod::BlockShutdownSignals();
+  std::thread([] {
+    const int sig = colod::WaitForShutdownSignal();
+    const int removed = colod::RemoveTemporaryFiles();
+    const std::string note = removed > 0 ? absl::StrCat("; removed ", removed, " unfinished file(s)") : "";
+    std::fprintf(stderr, "coloctl: %s: stopped%s\n", ::strsignal(sig), note.c_str());
+    std::_Exit(128 + sig);
+  }).detach();
   return colod::cli::CommandLineMain(argc, argv, colod::cli::kIntro, colod::cli::kEpilogue,
                                      {colod::cli::InProcessCommands()});
 }

@@ -16,11 +16,14 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <set>
+#include <string>
 #include <system_error>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
 
 namespace colod {
@@ -118,23 +121,54 @@ absl::Status WriteFileAtomically(const std::string& path, absl::Span<const absl:
       before_rename);
 }
 
+namespace {
+
+absl::Mutex temporaries_mu(absl::kConstInit);
+std::set<std::string>& Temporaries() ABSL_EXCLUSIVE_LOCKS_REQUIRED(temporaries_mu) {
+  static auto* const files = new std::set<std::string>();
+  return *files;
+}
+
+}  // namespace
+
+void RegisterTemporaryFile(const std::string& path) {
+  absl::MutexLock lock(&temporaries_mu);
+  Temporaries().insert(path);
+}
+
+void UnregisterTemporaryFile(const std::string& path) {
+  absl::MutexLock lock(&temporaries_mu);
+  Temporaries().erase(path);
+}
+
+int RemoveTemporaryFiles() {
+  absl::MutexLock lock(&temporaries_mu);  // (held: no file is registered or renamed meanwhile)
+  int removed = 0;
+  for (const std::string& path : Temporaries()) removed += std::remove(path.c_str()) == 0 ? 1 : 0;
+  Temporaries().clear();
+  return removed;
+}
+
 absl::Status WriteFileAtomicallyStreamed(const std::string& path,
                                          const std::function<absl::Status(const PieceWriter&)>& produce,
                                          const std::function<absl::Status()>& before_rename) {
   if (absl::Status s = CheckReplaceable(path); !s.ok()) return s;
   static std::atomic<uint64_t> counter{0};
   const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid(), ".", counter++);
+  RegisterTemporaryFile(tmp);  // (before it exists: a signal now removes nothing, or it)
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return Errno("cannot create", tmp);
+  if (fd < 0) {
+    UnregisterTemporaryFile(tmp);
+    return Errno("cannot create", tmp);
+  }
   absl::Status s = produce([fd, &tmp](absl::string_view piece) { return WriteAll(fd, piece, tmp); });
   if (s.ok() && ::fsync(fd) != 0) s = Errno("cannot fsync", tmp);
   if (::close(fd) != 0 && s.ok()) s = Errno("cannot close", tmp);
   if (s.ok()) s = before_rename();
   if (s.ok() && std::rename(tmp.c_str(), path.c_str()) != 0) s = Errno("cannot rename to", path);
-  if (!s.ok()) {
-    std::remove(tmp.c_str());
-    return s;
-  }
+  if (!s.ok()) std::remove(tmp.c_str());
+  UnregisterTemporaryFile(tmp);
+  if (!s.ok()) return s;
   // The rename is durable once the directory is.
   const size_t slash = path.rfind('/');
   const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));

@@ -52,6 +52,16 @@ int OpenWithoutWaiting(const std::string& path, int flags);
 // FileError("cannot write", path, errno) when a write fails (EIO for one
 // that writes nothing).
 absl::Status WriteAll(int fd, absl::string_view bytes, absl::string_view path);
+// The temporary files this process is writing (WriteFileAtomically's, a
+// MegatronWriter's), until they are renamed or removed: a process that a
+// signal ends (coloctl-run's Ctrl-C) removes them with
+// RemoveTemporaryFiles, where otherwise a tokenizer's gigabytes stayed.
+// Thread-safe.
+void RegisterTemporaryFile(const std::string& path);
+void UnregisterTemporaryFile(const std::string& path);
+// Removes every registered file; how many it removed.
+int RemoveTemporaryFiles();
+
 // Whether `name` (a directory entry) is a temporary file WriteFileAtomically
 // leaves behind when its process dies mid-write: NAME.tmp.PID.N. A daemon
 // that owns its directory (its lock held) removes them at start.

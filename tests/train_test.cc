@@ -104,6 +104,45 @@ TEST(Train, ClientFlagMistakesAreRefusedBeforeAClusterStarts) {
   EXPECT_NE(r.err.find("--tls"), std::string::npos) << r.err;
 }
 
+// Ctrl-C during `coloctl tokenize` (coloctl-run) exits 130 and leaves
+// none of the dataset it was writing: before, its PREFIX.bin.tmp.PID.N
+// stayed, as large as what it had tokenized.
+TEST(Train, AnInterruptedTokenizeLeavesNoUnfinishedFile) {
+  shardformer::testing::TinyOptions o;
+  o.vocab = 257;
+  auto model = shardformer::testing::WriteTinyGpt2(TempPath("gpt2_interrupted"), o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  train::testing::WriteSmallGpt2Tokenizer(model->dir);
+  const std::string gpl = ReadFile("/usr/share/common-licenses/GPL-3");
+  const std::string dir = TempPath("interrupted");
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream big(dir + "/big.txt");
+    for (int i = 0; i < 800; ++i) big << gpl;  // about 28 MB: seconds to tokenize
+  }
+  testing::Subprocess tokenize({Runfile("client/coloctl"), "tokenize", "--model", model->dir, "--input",
+                                dir + "/big.txt", "--out", dir + "/big"},
+                               TempPath("interrupted.out"), TempPath("interrupted.err"));
+  const auto unfinished = [&] {
+    std::vector<std::string> found;
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+      if (e.path().filename().string().find(".tmp.") != std::string::npos) found.push_back(e.path().string());
+    }
+    return found;
+  };
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (unfinished().empty() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+  ASSERT_FALSE(unfinished().empty()) << ReadFile(TempPath("interrupted.err"));
+  tokenize.Signal(SIGINT);
+  const std::optional<int> code = tokenize.Wait(absl::Seconds(30));
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 130) << ReadFile(TempPath("interrupted.err"));
+  EXPECT_NE(ReadFile(TempPath("interrupted.err")).find("removed 1 unfinished file"), std::string::npos)
+      << ReadFile(TempPath("interrupted.err"));
+  EXPECT_EQ(unfinished(), std::vector<std::string>{});
+  EXPECT_FALSE(std::filesystem::exists(dir + "/big.bin"));
+}
+
 TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
   shardformer::testing::TinyOptions o;
   o.vocab = 257;  // byte-level text

@@ -36,14 +36,20 @@ absl::StatusOr<std::unique_ptr<MegatronWriter>> MegatronWriter::Create(const std
   for (const char* ext : {".bin", ".idx"}) RETURN_IF_ERROR(CheckReplaceable(prefix + ext));
   static std::atomic<uint64_t> counter{0};
   const std::string tmp = absl::StrCat(prefix, ".bin.tmp.", ::getpid(), ".", counter++);
+  RegisterTemporaryFile(tmp);  // removed if a signal ends the process (coloctl tokenize's Ctrl-C)
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return FileError("cannot create", tmp, errno);
+  if (fd < 0) {
+    const int error = errno;
+    UnregisterTemporaryFile(tmp);
+    return FileError("cannot create", tmp, error);
+  }
   return std::unique_ptr<MegatronWriter>(new MegatronWriter(prefix, vocab_size, fd, tmp));
 }
 
 MegatronWriter::~MegatronWriter() {
   if (fd_ >= 0) ::close(fd_);
   if (!finished_) std::remove(tmp_.c_str());
+  UnregisterTemporaryFile(tmp_);
 }
 
 absl::Status MegatronWriter::Flush() {
