@@ -236,7 +236,14 @@ int TensorWith(CoordinatorClient& c, const std::vector<std::string>& operands, b
   }
   if (sub == "delete") {
     const absl::Status s = c.DeleteTensor(operands[1], operands[2]);
-    return s.ok() ? 0 : Fail(s);
+    if (!s.ok()) return Fail(s);
+    // As `coloctl delete` answers (a script's JSON parser gets an object).
+    if (json) {
+      std::printf("%s\n", JsonText({{"job_id", operands[1]}, {"name", operands[2]}, {"deleted", true}}).c_str());
+    } else {
+      std::printf("tensor %s deleted\n", operands[2].c_str());
+    }
+    return 0;
   }
   if (sub == "get") {
     absl::StatusOr<v1::TensorValue> value;

@@ -122,6 +122,12 @@ TEST(Cluster, CoordinatorTwoWorkersAndColoctl) {
   auto listed = with({"tensor", "list", job_id});
   EXPECT_EQ(listed.code, 0) << listed.err;
   EXPECT_TRUE(absl::StrContains(listed.out, "t")) << listed.out;
+  ASSERT_EQ(with({"tensor", "create", job_id, "u", "--shape", "2"}).code, 0);
+  auto tensor_deleted = with({"tensor", "delete", job_id, "u", "--output", "json"});
+  EXPECT_EQ(tensor_deleted.code, 0) << tensor_deleted.err;
+  EXPECT_EQ(nlohmann::json::parse(tensor_deleted.out, nullptr, false),
+            (nlohmann::json{{"job_id", job_id}, {"name", "u"}, {"deleted", true}}))
+      << tensor_deleted.out;
   // A TENSOR job runs until cancelled: a watch gives up at its timeout,
   // the coordinator having answered all along (1, not 69).
   auto watched = with({"watch", job_id, "--watch-timeout", "1s"});
