@@ -1,16 +1,21 @@
 #include "worker/daemon/worker_daemon.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
 #include "absl/random/random.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
 #include "common/auth.h"
@@ -174,7 +179,14 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
     w->work_dir_ = options.work_dir;
     if (w->work_dir_.empty()) {
       const char* tmp = std::getenv("TMPDIR");
-      std::string pattern = absl::StrCat(tmp != nullptr && tmp[0] != '\0' ? tmp : "/tmp", "/colod-worker.XXXXXX");
+      const std::string root = tmp != nullptr && tmp[0] != '\0' ? tmp : "/tmp";
+      // Those of workers killed before they removed theirs (a SIGKILL, an
+      // OOM kill: their cached uploads, gigabytes, would stay for good).
+      if (const int removed = RemoveAbandonedWorkDirs(root); removed > 0) {
+        COLOD_LOG(INFO) << "removed " << removed << " work directories under " << root
+                        << " of workers that ended without removing them";
+      }
+      std::string pattern = absl::StrCat(root, "/colod-worker.XXXXXX");
       if (::mkdtemp(pattern.data()) == nullptr) {
         return absl::FailedPreconditionError(absl::StrCat("cannot create a work directory ", pattern, ": ",
                                                           std::strerror(errno)));
@@ -293,6 +305,34 @@ bool WorkerDaemon::WaitRegistered(absl::Duration timeout) const {
     return serving_ && !worker_id_.empty();
   };
   return mu_.AwaitWithTimeout(absl::Condition(&registered), timeout);
+}
+
+int WorkerDaemon::RemoveAbandonedWorkDirs(const std::string& root, absl::Duration unlocked_for) {
+  int removed = 0;
+  const auto now = std::filesystem::file_time_type::clock::now();
+  for (const std::string& name : ListDirectory(root).value_or(std::vector<std::string>{})) {
+    if (!absl::StartsWith(name, "colod-worker.")) continue;
+    const std::string dir = absl::StrCat(root, "/", name);
+    struct stat st;
+    // This user's directories only (a shared /tmp), never through a link.
+    if (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid()) continue;
+    // No LOCK: a worker between making its directory and locking it.
+    const int fd = ::open((dir + "/LOCK").c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) continue;
+    std::error_code ec;
+    const auto locked_at = std::filesystem::last_write_time(dir + "/LOCK", ec);
+    // The lock ends with its process; one unlocked and not written lately
+    // (a worker writes its pid there as it takes it) is no live worker's.
+    if (!ec &&
+        now - locked_at > std::chrono::duration_cast<std::filesystem::file_time_type::duration>(
+                              absl::ToChronoSeconds(unlocked_for)) &&
+        ::flock(fd, LOCK_EX | LOCK_NB) == 0) {
+      std::filesystem::remove_all(dir, ec);
+      if (!ec) ++removed;
+    }
+    ::close(fd);
+  }
+  return removed;
 }
 
 absl::Duration WorkerDaemon::HeartbeatInterval(const v1::RegisterWorkerResponse& resp) {

@@ -138,6 +138,13 @@ class WorkerDaemon {
   // memory at its edge.
   static int64_t DefaultRankMemory(int64_t device_bytes);
 
+  // Removes the default work directories (ROOT/colod-worker.*) of this
+  // user's workers that ended without removing theirs (killed): those
+  // whose LOCK is unlocked and was last written over `unlocked_for` ago. A
+  // live worker holds its lock; one starting has none yet, or wrote it just
+  // now. How many it removed.
+  static int RemoveAbandonedWorkDirs(const std::string& root, absl::Duration unlocked_for = absl::Minutes(1));
+
   // The heartbeat interval a registration's answer asks for, within sense:
   // 2 s where it asks none; at least 10 ms; at most a third of its lease
   // (a minute without one).

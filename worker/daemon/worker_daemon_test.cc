@@ -696,6 +696,38 @@ TEST(WorkerDaemon, AWorkerThatShutsDownWithoutADrainTakesNoRank) {
   EXPECT_EQ(listed[0].status().state(), v1::WORKER_STATE_IDLE);
 }
 
+// A worker's default work directory left by a worker that was killed (its
+// LOCK unlocked: the lock ended with its process) is removed; a live
+// worker's (locked), one being made (no LOCK yet, or written just now) and
+// other names are left alone.
+TEST(WorkerDaemon, AbandonedDefaultWorkDirsAreRemoved) {
+  const std::string root = ::colod::testing::TempPath("abandoned-roots");
+  std::filesystem::remove_all(root);
+  const auto make = [&](const std::string& name, bool lock_file) {
+    std::filesystem::create_directories(root + "/" + name + "/uploads/u");
+    std::ofstream(root + "/" + name + "/uploads/u/model.safetensors") << "weights";
+    if (lock_file) std::ofstream(root + "/" + name + "/LOCK") << "12345\n";
+  };
+  make("colod-worker.dead01", true);
+  make("colod-worker.fresh1", true);  // LOCK written just now: a worker taking it
+  make("colod-worker.nolock", false);
+  make("other.dead02", true);
+  absl::StatusOr<int> live = LockDirectory(root + "/colod-worker.live01", "--work-dir", "worker");
+  ASSERT_TRUE(live.ok()) << live.status();
+  const auto old = std::filesystem::file_time_type::clock::now() - std::chrono::minutes(5);
+  for (const char* name : {"colod-worker.dead01", "colod-worker.live01", "other.dead02"}) {
+    std::filesystem::last_write_time(root + "/" + name + "/LOCK", old);
+  }
+  EXPECT_EQ(WorkerDaemon::RemoveAbandonedWorkDirs(root), 1);
+  EXPECT_FALSE(std::filesystem::exists(root + "/colod-worker.dead01"));
+  for (const char* kept : {"colod-worker.fresh1", "colod-worker.nolock", "colod-worker.live01", "other.dead02"}) {
+    EXPECT_TRUE(std::filesystem::exists(root + "/" + kept)) << kept;
+  }
+  ::close(*live);
+  EXPECT_EQ(WorkerDaemon::RemoveAbandonedWorkDirs(root), 1);  // its worker ended
+  EXPECT_FALSE(std::filesystem::exists(root + "/colod-worker.live01"));
+}
+
 // The heartbeat interval a registration's answer asks for is kept within
 // sense: an answer without one (or a malformed one) does not make the
 // worker heartbeat at every wake, nor a huge one let its lease expire.
