@@ -52,7 +52,7 @@ ABSL_FLAG(absl::Duration, drain_timeout, absl::Minutes(1),
           "once and its job restarts from its last checkpoint. 0 to 24h.");
 ABSL_FLAG(absl::Duration, metrics_linger, absl::Minutes(1),
           "How long a job rank's metrics (step times, tokens, loss, collectives) stay on /metrics after the "
-          "rank ended, so that a scrape sees its final values; then they are removed.");
+          "rank ended, so that a scrape sees its final values; then they are removed. 0 to 24h.");
 ABSL_FLAG(std::vector<std::string>, allow_path, {},
           "A directory jobs may read and write (model weights, data, checkpoints, outputs); repeat it or separate "
           "with commas. A job naming a path outside every one, or in --work-dir, fails PERMISSION_DENIED; a root "

@@ -152,8 +152,11 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
 
   w->registry_ = std::make_shared<prometheus::Registry>();
   AddBuildInfo(*w->registry_, "worker");
-  if (options.metrics_linger < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("--metrics-linger: must be >= 0");
+  // Bounded: each rank that ended holds its series that long, and a worker
+  // up for months runs thousands of ranks.
+  if (options.metrics_linger < absl::ZeroDuration() || options.metrics_linger > absl::Hours(24)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--metrics-linger: must be 0 to 24h, got ", absl::FormatDuration(options.metrics_linger)));
   }
   w->job_metrics_ = std::make_unique<WorkerMetrics>(*w->registry_, options.metrics_linger);
   ASSIGN_OR_RETURN(w->metrics_, MetricsServer::Start(options.metrics_listen, w->registry_));

@@ -250,6 +250,13 @@ TEST(WorkerDaemon, RejectsBadOptions) {
   }
   o.comm_timeout = absl::Minutes(2);
   for (absl::Duration bad : {absl::Seconds(-1), absl::Hours(25), absl::InfiniteDuration()}) {
+    o.metrics_linger = bad;
+    const absl::Status linger = WorkerDaemon::Start(o).status();
+    EXPECT_EQ(linger.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(linger.message().find("--metrics-linger"), std::string::npos) << linger;
+  }
+  o.metrics_linger = absl::Minutes(1);
+  for (absl::Duration bad : {absl::Seconds(-1), absl::Hours(25), absl::InfiniteDuration()}) {
     o.drain_timeout = bad;
     const absl::Status drain = WorkerDaemon::Start(o).status();
     EXPECT_EQ(drain.code(), absl::StatusCode::kInvalidArgument) << bad;
