@@ -34,17 +34,24 @@ constexpr char kEpilogue[] =
 }  // namespace colod::cli
 
 int main(int argc, char** argv) {
-  // Ctrl-C, SIGTERM or SIGHUP ends the command as they would, exit 128 + the
-  // signal, but first removes the files it was writing and had not renamed
-  // (a tokenizer's dataset of gigabytes, a consolidated model, a tensor's
-  // --out): before, they stayed beside their destination.
+  // Ctrl-C, SIGTERM or SIGHUP ends the command as it would (the process
+  // dies of the signal: a shell loop around it stops), but first removes
+  // the files it was writing and had not renamed (a tokenizer's dataset of
+  // gigabytes, a consolidated model): before, they stayed beside their
+  // destination.
   colod::BlockShutdownSignals();
   std::thread([] {
     const int sig = colod::WaitForShutdownSignal();
-    const int removed = colod::RemoveTemporaryFiles();
+    const int removed = colod::RemoveTemporaryFiles();  // (and no more are made)
     const std::string note = removed > 0 ? absl::StrCat("; removed ", removed, " unfinished file(s)") : "";
     std::fprintf(stderr, "coloctl: %s: stopped%s\n", ::strsignal(sig), note.c_str());
-    std::_Exit(128 + sig);
+    ::signal(sig, SIG_DFL);
+    sigset_t only;
+    sigemptyset(&only);
+    sigaddset(&only, sig);
+    ::pthread_sigmask(SIG_UNBLOCK, &only, nullptr);
+    ::raise(sig);
+    std::_Exit(128 + sig);  // (not reached)
   }).detach();
   return colod::cli::CommandLineMain(argc, argv, colod::cli::kIntro, colod::cli::kEpilogue,
                                      {colod::cli::InProcessCommands()});

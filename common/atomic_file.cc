@@ -128,12 +128,20 @@ std::set<std::string>& Temporaries() ABSL_EXCLUSIVE_LOCKS_REQUIRED(temporaries_m
   static auto* const files = new std::set<std::string>();
   return *files;
 }
+bool temporaries_removed ABSL_GUARDED_BY(temporaries_mu) = false;  // the process is ending
 
 }  // namespace
 
 void RegisterTemporaryFile(const std::string& path) {
-  absl::MutexLock lock(&temporaries_mu);
+  temporaries_mu.Lock();
+  if (temporaries_removed) {
+    // The process ends now (RemoveTemporaryFiles' caller): no file is made
+    // that nothing would remove.
+    temporaries_mu.Unlock();
+    for (;;) ::pause();
+  }
   Temporaries().insert(path);
+  temporaries_mu.Unlock();
 }
 
 void UnregisterTemporaryFile(const std::string& path) {
@@ -146,6 +154,7 @@ int RemoveTemporaryFiles() {
   int removed = 0;
   for (const std::string& path : Temporaries()) removed += std::remove(path.c_str()) == 0 ? 1 : 0;
   Temporaries().clear();
+  temporaries_removed = true;
   return removed;
 }
 
@@ -158,8 +167,9 @@ absl::Status WriteFileAtomicallyStreamed(const std::string& path,
   RegisterTemporaryFile(tmp);  // (before it exists: a signal now removes nothing, or it)
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) {
+    const absl::Status failed = Errno("cannot create", tmp);  // (errno, before anything else)
     UnregisterTemporaryFile(tmp);
-    return Errno("cannot create", tmp);
+    return failed;
   }
   absl::Status s = produce([fd, &tmp](absl::string_view piece) { return WriteAll(fd, piece, tmp); });
   if (s.ok() && ::fsync(fd) != 0) s = Errno("cannot fsync", tmp);

@@ -59,7 +59,9 @@ absl::Status WriteAll(int fd, absl::string_view bytes, absl::string_view path);
 // Thread-safe.
 void RegisterTemporaryFile(const std::string& path);
 void UnregisterTemporaryFile(const std::string& path);
-// Removes every registered file; how many it removed.
+// Removes every registered file, for a process about to end: how many it
+// removed. A file registered after it blocks its caller for good (the
+// process ends).
 int RemoveTemporaryFiles();
 
 // Whether `name` (a directory entry) is a temporary file WriteFileAtomically

@@ -155,13 +155,19 @@ absl::Status TensorProxy::AwaitConnected(grpc::ServerContext* ctx, absl::Time de
         continue;
       }
       if (not_connected_since_.size() >= kMaxNotConnectedKept) {
-        // Addresses no call has asked for in a long time (workers gone for good).
+        // Addresses no call has looked at in a long time (workers gone for good).
         for (auto it = not_connected_since_.begin(); it != not_connected_since_.end();) {
-          it = now - it->second > options_.connect_timeout + absl::Minutes(10) ? not_connected_since_.erase(it)
-                                                                               : std::next(it);
+          it = now - it->second.seen > options_.connect_timeout + absl::Minutes(10) ? not_connected_since_.erase(it)
+                                                                                    : std::next(it);
         }
       }
-      still.push_back(Waiting{i, not_connected_since_.emplace(address, now).first->second, state});
+      NotConnected& nc = not_connected_since_.emplace(address, NotConnected{now, now}).first->second;
+      // Not looked at for longer than connect_timeout: what it was then says
+      // nothing of now (a drop of the moment after a long while connected,
+      // which no call saw), and it gets its whole connect_timeout again.
+      if (now - nc.seen > options_.connect_timeout) nc.since = now;
+      nc.seen = now;
+      still.push_back(Waiting{i, nc.since, state});
     }
     waiting = std::move(still);
   };
@@ -243,25 +249,6 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
     stubs[i] = std::move(handle.stub);
     channels[i] = std::move(handle.channel);
   }
-  RETURN_IF_ERROR(AwaitConnected(ctx, std::min(client, absl::Now() + options_.rpc_timeout), mesh, ranks, channels));
-  // Every rank sees this job's calls in one order: the calls of one fan-out
-  // run at once (asynchronously, on no thread of their own), and the job's
-  // next fan-out, in the order they arrived, starts once they all ended
-  // (each within `deadline`). No lock is held meanwhile.
-  RETURN_IF_ERROR(AwaitTurn(job_id, ctx, std::min(client, absl::Now() + options_.rpc_timeout)));
-  {
-    // The job as it is now that the turn came: one that ended, or was
-    // placed again, while the call waited is answered as a call after that
-    // (the ranks it was meant for hold its tensors no more), not sent to
-    // workers that run it no longer.
-    const absl::StatusOr<v1::Job> now = RunningTensorJob(job_id);
-    if (!now.ok() || now->generation() != job->generation()) {
-      EndTurn(job_id);
-      if (!now.ok()) return now.status();
-      return absl::FailedPreconditionError(absl::StrCat("job '", job_id, "' was placed again while the call waited ",
-                                                        "for its turn: its new ranks hold none of its tensors"));
-    }
-  }
   // Where a rank's error follows from the job's end or new placement under
   // the call, the answer is the job's state, as for a call after it.
   const auto stopped_under = [&](const std::string& where) -> std::optional<absl::Status> {
@@ -280,11 +267,43 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
     }
     return std::nullopt;
   };
+  if (absl::Status connected =
+          AwaitConnected(ctx, std::min(client, absl::Now() + options_.rpc_timeout), mesh, ranks, channels);
+      !connected.ok()) {
+    if (absl::IsUnavailable(connected)) {
+      if (std::optional<absl::Status> state = stopped_under(std::string(connected.message()))) return *state;
+    }
+    return connected;
+  }
+  // Every rank sees this job's calls in one order: the calls of one fan-out
+  // run at once (asynchronously, on no thread of their own), and the job's
+  // next fan-out, in the order they arrived, starts once they all ended
+  // (each within `deadline`). No lock is held meanwhile.
+  RETURN_IF_ERROR(AwaitTurn(job_id, ctx, std::min(client, absl::Now() + options_.rpc_timeout)));
+  {
+    // The job as it is now that the turn came: one that ended, or was
+    // placed again, while the call waited is answered as a call after that
+    // (the ranks it was meant for hold its tensors no more), not sent to
+    // workers that run it no longer.
+    const absl::StatusOr<v1::Job> now = RunningTensorJob(job_id);
+    if (!now.ok() || now->generation() != job->generation()) {
+      EndTurn(job_id);
+      if (!now.ok()) return now.status();
+      return absl::FailedPreconditionError(absl::StrCat("job '", job_id, "' was placed again while the call waited ",
+                                                        "for its turn: its new ranks hold none of its tensors"));
+    }
+  }
   if (options_.connect_timeout > absl::ZeroDuration()) {
-    // A connection lost while the call waited for its turn: sent nowhere,
-    // at once (the turn is not held for a wait).
+    // A connection lost while the call waited for its turn: sent nowhere.
+    // One being made again (idle, connecting: a GOAWAY, an idle timeout) is
+    // given a moment; one that failed is not waited for with the turn held.
+    const absl::Time reconnect_by = absl::Now() + std::min(options_.connect_timeout, absl::Seconds(1));
     for (size_t i = 0; i < ranks.size(); ++i) {
-      const grpc_connectivity_state state = channels[i]->GetState(/*try_to_connect=*/true);
+      grpc_connectivity_state state = channels[i]->GetState(/*try_to_connect=*/true);
+      if (state == GRPC_CHANNEL_IDLE || state == GRPC_CHANNEL_CONNECTING) {
+        if (channels[i]->WaitForConnected(absl::ToChronoTime(reconnect_by))) continue;
+        state = channels[i]->GetState(/*try_to_connect=*/false);
+      }
       if (state == GRPC_CHANNEL_READY) continue;
       EndTurn(job_id);
       const std::string where = absl::StrCat(rank_at(i), " lost its connection (", ConnectivityStateName(state),

@@ -138,10 +138,14 @@ class TensorProxy final : public v1::TensorService::Service {
   // A job's queue while it has a call waiting or running; erased once idle.
   std::map<std::string, JobQueue> queues_ ABSL_GUARDED_BY(mu_);
   absl::BitGen bits_ ABSL_GUARDED_BY(mu_);  // CreateTensorRequest.creation_id
-  // Since when calls found each worker address not connected (erased once
-  // one finds it connected, or its worker registers anew).
+  // Since when calls found each worker address not connected, and when one
+  // last looked (erased once one finds it connected, or its worker
+  // registers anew).
+  struct NotConnected {
+    absl::Time since, seen;
+  };
   static constexpr size_t kMaxNotConnectedKept = 1024;
-  std::map<std::string, absl::Time> not_connected_since_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, NotConnected> not_connected_since_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace colod

@@ -383,9 +383,9 @@ TEST(TensorProxy, ACallIsSentOnlyOnceEveryRanksWorkerIsConnected) {
   // Rank 1's server goes away and comes back on its port 600 ms later.
   two.servers[1]->Shutdown();
   two.servers[1].reset();
-  absl::SleepFor(absl::Milliseconds(200));  // (the proxy's connection sees it close)
+  absl::SleepFor(absl::Milliseconds(300));  // (the proxy's connection sees it close)
   std::thread back([&] {
-    absl::SleepFor(absl::Milliseconds(400));
+    absl::SleepFor(absl::Milliseconds(300));
     restart_rank_one();
   });
   absl::Status s = create("blip");
@@ -395,7 +395,7 @@ TEST(TensorProxy, ACallIsSentOnlyOnceEveryRanksWorkerIsConnected) {
   // It stays away: nothing is sent, rank 0 included.
   two.servers[1]->Shutdown();
   two.servers[1].reset();
-  absl::SleepFor(absl::Milliseconds(200));
+  absl::SleepFor(absl::Milliseconds(300));
   absl::Time start = absl::Now();
   s = create("nowhere");
   const absl::Duration first = absl::Now() - start;

@@ -41,8 +41,10 @@ absl::Status CheckUtf8Strings(const google::protobuf::Message& m, const std::str
     const std::string at = absl::StrCat(path, ".", f->name());
     if (f->type() == google::protobuf::FieldDescriptor::TYPE_STRING) {
       const int n = f->is_repeated() ? r->FieldSize(m, f) : 1;
+      std::string scratch;
       for (int i = 0; i < n; ++i) {
-        const std::string v = f->is_repeated() ? r->GetRepeatedString(m, f, i) : r->GetString(m, f);
+        const std::string& v =
+            f->is_repeated() ? r->GetRepeatedStringReference(m, f, i, &scratch) : r->GetStringReference(m, f, &scratch);
         if (!IsValidUtf8(v)) {
           return absl::InvalidArgumentError(
               absl::StrCat(at, f->is_repeated() ? absl::StrCat("[", i, "]") : "", ": not valid UTF-8 text"));

@@ -218,7 +218,8 @@ absl::Status JobRunner::Assign(const v1::AssignJobRequest& req) {
   }
   // A file system call: made unlocked, and said once the rank is known to
   // be a new one (the same assignment again is its running rank's).
-  const absl::Status room = req.spec().kind() != v1::JOB_KIND_TENSOR ? CheckWorkDirRoom() : absl::OkStatus();
+  const absl::Status room =
+      req.spec().kind() != v1::JOB_KIND_TENSOR ? CheckWorkDirRoom(req.spec().model().upload_id()) : absl::OkStatus();
   // The same assignment again (a duplicate delivery) is the running rank's,
   // or the ended one's, whose end was reported: never started twice. Its
   // job's uid too: a coordinator whose data dir was lost numbers its jobs
@@ -307,7 +308,7 @@ std::string JobRunner::RankDir(const v1::AssignJobRequest& req) const {
   return absl::StrFormat("%s/%s-gen-%d-rank-%d", options_.work_dir, req.job_id(), req.generation(), req.rank());
 }
 
-absl::Status JobRunner::CheckWorkDirRoom() {
+absl::Status JobRunner::CheckWorkDirRoom(const std::string& keep_upload) {
   if (options_.min_free_work_dir_bytes <= 0) return absl::OkStatus();
   absl::StatusOr<DiskSpace> room = FreeDiskSpace(options_.work_dir);
   if (!room.ok()) {
@@ -326,7 +327,7 @@ absl::Status JobRunner::CheckWorkDirRoom() {
       absl::MutexLock lock(&mu_);
       idle = active_ == nullptr;
     }
-    if (idle && models_.PruneIfIdle()) {
+    if (idle && models_.PruneIfIdle(keep_upload)) {
       room = FreeDiskSpace(options_.work_dir);
       if (!room.ok()) {
         return absl::UnavailableError(absl::StrCat("this worker takes no rank: ", room.status().message()));
@@ -788,8 +789,10 @@ absl::StatusOr<std::shared_ptr<TensorHost>> JobRunner::Tensors(const std::string
     return absl::FailedPreconditionError(absl::StrCat("job '", job_id, "' is not a TENSOR job"));
   }
   if (call.has_value() && OtherJob(call->job_uid, active->request.job_uid())) {
-    return absl::NotFoundError(absl::StrCat("job '", job_id, "' of uid ", call->job_uid,
-                                            " does not run on this worker (another of that id does)"));
+    // (Not NOT_FOUND: a delete takes a rank's NOT_FOUND for a tensor that
+    // is gone already.)
+    return absl::FailedPreconditionError(absl::StrCat("job '", job_id, "' of uid ", call->job_uid,
+                                                      " does not run on this worker (another of that id does)"));
   }
   if (call.has_value() && call->generation != active->request.generation()) {
     return absl::AbortedError(absl::StrCat("the call is meant for generation ", call->generation, " of job '", job_id,

@@ -132,7 +132,7 @@ class JobRunner {
   // it runs on this worker, UNAVAILABLE while its rank is still connecting.
   // `call`, where given, is the job's generation (and uid) the caller
   // means: ABORTED where another generation runs here (the job was placed
-  // again), NOT_FOUND where another job of that id does.
+  // again), FAILED_PRECONDITION where another job of that id does.
   absl::StatusOr<std::shared_ptr<TensorHost>> Tensors(const std::string& job_id,
                                                       const std::optional<CallGeneration>& call = std::nullopt) const;
 
@@ -201,8 +201,9 @@ class JobRunner {
   // Adds `gone` to gone_ (the newest kMaxGoneKept), where it has a uid.
   void RememberGoneLocked(Gone gone) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Options::min_free_work_dir_bytes' check (RESOURCE_EXHAUSTED). Short
-  // of room while no rank runs, it prunes the upload cache first.
-  absl::Status CheckWorkDirRoom() ABSL_LOCKS_EXCLUDED(mu_);
+  // of room while no rank runs, it prunes the upload cache first, but
+  // `keep_upload` (the assignment's own).
+  absl::Status CheckWorkDirRoom(const std::string& keep_upload) ABSL_LOCKS_EXCLUDED(mu_);
   // The dumps WORK_DIR/flight-recorder keeps, the newest (about 0.5 MB each).
   static constexpr size_t kMaxFlightRecorderDumps = 256;
 

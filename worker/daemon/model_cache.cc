@@ -268,9 +268,9 @@ void ModelCache::Prune(const std::string& keep) {
   PruneLocked(keep);
 }
 
-bool ModelCache::PruneIfIdle() {
+bool ModelCache::PruneIfIdle(const std::string& keep) {
   if (!files_mu_.TryLock()) return false;  // a rank's download or lookup: it prunes itself
-  PruneLocked("");
+  PruneLocked(keep);
   files_mu_.Unlock();
   return true;
 }

@@ -87,7 +87,7 @@ class ModelCache {
   // Prune, unless Weights runs (a rank's download or lookup, which prunes
   // itself): false then. Never waits for it. For a worker short of disk
   // that would refuse a rank (JobRunner).
-  bool PruneIfIdle() ABSL_LOCKS_EXCLUDED(files_mu_);
+  bool PruneIfIdle(const std::string& keep = "") ABSL_LOCKS_EXCLUDED(files_mu_);
 
  private:
   // One DownloadModel call writing into `tmp`; `received` says whether any

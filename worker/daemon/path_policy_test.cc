@@ -150,6 +150,7 @@ TEST_F(PathPolicyTest, NoJobNamesTheWorkersOwnDirectory) {
     // (a weights directory's file, which Materialize checks one by one).
     const std::string linked = base_ + "/data/weights-" + std::to_string(policy.unrestricted());
     fs::create_directories(linked);
+    std::ofstream(work + "/uploads/upload-000001-00000000000000aa/model.safetensors") << "weights";
     fs::create_symlink(work + "/uploads/upload-000001-00000000000000aa/model.safetensors",
                        linked + "/model.safetensors");
     const absl::Status through_link = policy.Check("spec.model.weights_path", linked + "/model.safetensors");

@@ -372,6 +372,13 @@ absl::Status WorkerDaemon::RegisterOnce() {
   absl::MutexLock lock(&mu_);
   worker_id_ = resp.worker_id();
   heartbeat_interval_ = HeartbeatInterval(resp);
+  if (IsValidProtoDuration(resp.heartbeat_interval()) &&
+      heartbeat_interval_ != FromProtoDuration(resp.heartbeat_interval())) {
+    COLOD_LOG(WARNING) << "the coordinator asks for a heartbeat every "
+                       << absl::FormatDuration(FromProtoDuration(resp.heartbeat_interval())) << " (a lease of "
+                       << absl::FormatDuration(FromProtoDuration(resp.lease_duration())) << "): heartbeating every "
+                       << absl::FormatDuration(heartbeat_interval_);
+  }
   return absl::OkStatus();
 }
 

@@ -795,7 +795,7 @@ TEST(WorkerDaemon, ATensorRankWhoseGroupBrokeFailsInsteadOfServing) {
   // Another job of that id (a coordinator that lost its data dir numbers
   // jobs from 1 again).
   EXPECT_EQ(runners[0]->Tensors("job-000007", CallGeneration{1, "0badf00d"}).status().code(),
-            absl::StatusCode::kNotFound);
+            absl::StatusCode::kFailedPrecondition);
   v1::CreateTensorRequest create;
   create.set_name("x");
   create.mutable_value()->set_dtype(v1::DTYPE_F32);
