@@ -432,6 +432,35 @@ TEST(TensorProxy, ACallIsSentOnlyOnceEveryRanksWorkerIsConnected) {
   EXPECT_EQ(two.workers[0].uids, std::vector<std::string>(3, placed->uid()));
 }
 
+// What calls found of a worker stands only while calls keep looking: one
+// that comes after connect_timeout without any gives the worker its whole
+// wait again (a record from long ago would fail a drop of the moment at
+// once), while calls one after another are answered at once.
+TEST(TensorProxy, AWorkerNotLookedAtForAWhileIsWaitedForAgain) {
+  TwoRanks two;
+  two.options.connect_timeout = absl::Seconds(1);
+  ASSERT_NO_FATAL_FAILURE(two.Start());
+  two.servers[1]->Shutdown();
+  two.servers[1].reset();
+  const auto create_took = [&](const std::string& name) {
+    grpc::ClientContext ctx;
+    v1::CreateTensorRequest req;
+    req.set_job_id(two.job->job_id());
+    req.set_name(name);
+    v1::CreateTensorResponse resp;
+    const absl::Time start = absl::Now();
+    const absl::Status s = FromGrpcStatus(two.stub->CreateTensor(&ctx, req, &resp));
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << name << ": " << s;
+    return absl::Now() - start;
+  };
+  EXPECT_GE(create_took("first"), absl::Milliseconds(900));
+  EXPECT_LT(create_took("right after"), absl::Milliseconds(500));
+  absl::SleepFor(absl::Milliseconds(1500));
+  EXPECT_GE(create_took("a while after"), absl::Milliseconds(900));
+  absl::MutexLock lock(&two.workers[0].mu);
+  EXPECT_TRUE(two.workers[0].names.empty()) << "a call reached rank 0";
+}
+
 // A call whose job is cancelled, or placed again, while it runs on the
 // ranks answers what a call after that gets, FAILED_PRECONDITION naming the
 // job's state (the ranks' ABORTED is what the cancel did to them, and
