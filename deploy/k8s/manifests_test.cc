@@ -649,6 +649,12 @@ TEST(Manifests, EveryContainerIsProbedLimitedAndNonRoot) {
               << k.where << " has no resources." << kind << "." << res;
         }
       }
+      // A worker offers ranks its memory limit (less a tenth): a request
+      // below it would not guarantee what the coordinator places there.
+      if (k.binary == kWorker) {
+        EXPECT_EQ(Str(Get(c, {"resources", "requests", "memory"})), Str(Get(c, {"resources", "limits", "memory"})))
+            << k.where << ": a worker's memory request must equal its limit";
+      }
       const YAML::Node pod_sc = Get(k.pod, {"securityContext"});
       const YAML::Node sc = Get(c, {"securityContext"});
       auto either = [&](const char* field) { return sc[field].IsDefined() ? Str(sc[field]) : Str(pod_sc[field]); };

@@ -55,9 +55,10 @@ ABSL_FLAG(absl::Duration, metrics_linger, absl::Minutes(1),
           "rank ended, so that a scrape sees its final values; then they are removed. 0 to 24h.");
 ABSL_FLAG(std::vector<std::string>, allow_path, {},
           "A directory jobs may read and write (model weights, data, checkpoints, outputs); repeat it or separate "
-          "with commas. A job naming a path outside every one, or in --work-dir, fails PERMISSION_DENIED; a root "
-          "in --work-dir is refused at start. Default: none, which allows every path this worker's user can open "
-          "but --work-dir (logged at start).");
+          "with commas. A job naming a path outside every one, or in --work-dir (however it reaches it, through "
+          "links too), fails PERMISSION_DENIED; a root in --work-dir allows nothing and is dropped with a warning "
+          "(the worker does not start where every root is one). Default: none, which allows every path this "
+          "worker's user can open but --work-dir (logged at start).");
 ABSL_FLAG(std::string, memory_limit, "",
           "Memory a job rank may use, e.g. 8GiB or 512MiB; reported to the coordinator, which places no rank "
           "here whose model needs more (parameters, gradients, optimizer state, and a training rank's "
