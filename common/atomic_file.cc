@@ -144,6 +144,16 @@ void RegisterTemporaryFile(const std::string& path) {
   temporaries_mu.Unlock();
 }
 
+void TemporaryFileMade(const std::string& path) {
+  temporaries_mu.Lock();
+  if (temporaries_removed) {
+    ::unlink(path.c_str());  // made after the cleanup: nothing else would remove it
+    temporaries_mu.Unlock();
+    for (;;) ::pause();
+  }
+  temporaries_mu.Unlock();
+}
+
 void UnregisterTemporaryFile(const std::string& path) {
   absl::MutexLock lock(&temporaries_mu);
   Temporaries().erase(path);
@@ -171,6 +181,7 @@ absl::Status WriteFileAtomicallyStreamed(const std::string& path,
     UnregisterTemporaryFile(tmp);
     return failed;
   }
+  TemporaryFileMade(tmp);
   absl::Status s = produce([fd, &tmp](absl::string_view piece) { return WriteAll(fd, piece, tmp); });
   if (s.ok() && ::fsync(fd) != 0) s = Errno("cannot fsync", tmp);
   if (::close(fd) != 0 && s.ok()) s = Errno("cannot close", tmp);

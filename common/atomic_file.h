@@ -57,7 +57,10 @@ absl::Status WriteAll(int fd, absl::string_view bytes, absl::string_view path);
 // signal ends (coloctl-run's Ctrl-C) removes them with
 // RemoveTemporaryFiles, where otherwise a tokenizer's gigabytes stayed.
 // Thread-safe.
+// Register before the file is made, and call TemporaryFileMade once it is:
+// where the cleanup ran in between, it removes the file and blocks for good.
 void RegisterTemporaryFile(const std::string& path);
+void TemporaryFileMade(const std::string& path);
 void UnregisterTemporaryFile(const std::string& path);
 // Removes every registered file, for a process about to end: how many it
 // removed. A file registered after it blocks its caller for good (the

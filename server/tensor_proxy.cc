@@ -300,9 +300,10 @@ absl::Status TensorProxy::FanOutToRanks(grpc::ServerContext* ctx, const std::str
     const absl::Time reconnect_by = absl::Now() + std::min(options_.connect_timeout, absl::Seconds(1));
     for (size_t i = 0; i < ranks.size(); ++i) {
       grpc_connectivity_state state = channels[i]->GetState(/*try_to_connect=*/true);
-      if (state == GRPC_CHANNEL_IDLE || state == GRPC_CHANNEL_CONNECTING) {
-        if (channels[i]->WaitForConnected(absl::ToChronoTime(reconnect_by))) continue;
-        state = channels[i]->GetState(/*try_to_connect=*/false);
+      // (Until it connects, fails, or the second passes.)
+      while ((state == GRPC_CHANNEL_IDLE || state == GRPC_CHANNEL_CONNECTING) && absl::Now() < reconnect_by) {
+        channels[i]->WaitForStateChange(state, absl::ToChronoTime(reconnect_by));
+        state = channels[i]->GetState(/*try_to_connect=*/true);
       }
       if (state == GRPC_CHANNEL_READY) continue;
       EndTurn(job_id);

@@ -373,6 +373,7 @@ absl::Status WorkerDaemon::RegisterOnce() {
   worker_id_ = resp.worker_id();
   heartbeat_interval_ = HeartbeatInterval(resp);
   if (IsValidProtoDuration(resp.heartbeat_interval()) &&
+      FromProtoDuration(resp.heartbeat_interval()) > absl::ZeroDuration() &&
       heartbeat_interval_ != FromProtoDuration(resp.heartbeat_interval())) {
     COLOD_LOG(WARNING) << "the coordinator asks for a heartbeat every "
                        << absl::FormatDuration(FromProtoDuration(resp.heartbeat_interval())) << " (a lease of "

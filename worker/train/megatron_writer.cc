@@ -43,6 +43,7 @@ absl::StatusOr<std::unique_ptr<MegatronWriter>> MegatronWriter::Create(const std
     UnregisterTemporaryFile(tmp);
     return FileError("cannot create", tmp, error);
   }
+  TemporaryFileMade(tmp);
   return std::unique_ptr<MegatronWriter>(new MegatronWriter(prefix, vocab_size, fd, tmp));
 }
 
