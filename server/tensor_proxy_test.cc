@@ -228,6 +228,15 @@ struct TwoRanks {
     proxy_server = Serve(proxy.get(), &proxy_address);
     stub = v1::TensorService::NewStub(grpc::CreateChannel(proxy_address, grpc::InsecureChannelCredentials()));
   }
+  // CreateTensor of `name` on the job, through the proxy.
+  absl::Status Create(const std::string& name) {
+    grpc::ClientContext ctx;
+    v1::CreateTensorRequest req;
+    req.set_job_id(job->job_id());
+    req.set_name(name);
+    v1::CreateTensorResponse resp;
+    return FromGrpcStatus(stub->CreateTensor(&ctx, req, &resp));
+  }
   ~TwoRanks() {
     if (proxy_server != nullptr) proxy_server->Shutdown();
     for (auto& s : servers) {
@@ -305,14 +314,7 @@ TEST(TensorProxy, AGatherAsksOnlyRankZeroForTheValue) {
 TEST(TensorProxy, APartlyFailedCallLeavesTheRanksAlikeAndNamesTheCause) {
   TwoRanks two;
   ASSERT_NO_FATAL_FAILURE(two.Start());
-  const auto create = [&](const std::string& name) {
-    grpc::ClientContext ctx;
-    v1::CreateTensorRequest req;
-    req.set_job_id(two.job->job_id());
-    req.set_name(name);
-    v1::CreateTensorResponse resp;
-    return FromGrpcStatus(two.stub->CreateTensor(&ctx, req, &resp));
-  };
+  const auto create = [&](const std::string& name) { return two.Create(name); };
   const auto remove = [&](const std::string& name) {
     grpc::ClientContext ctx;
     v1::DeleteTensorRequest req;
@@ -365,14 +367,7 @@ TEST(TensorProxy, ACallIsSentOnlyOnceEveryRanksWorkerIsConnected) {
   TwoRanks two;
   two.options.connect_timeout = absl::Seconds(4);
   ASSERT_NO_FATAL_FAILURE(two.Start());
-  const auto create = [&](const std::string& name) {
-    grpc::ClientContext ctx;
-    v1::CreateTensorRequest req;
-    req.set_job_id(two.job->job_id());
-    req.set_name(name);
-    v1::CreateTensorResponse resp;
-    return FromGrpcStatus(two.stub->CreateTensor(&ctx, req, &resp));
-  };
+  const auto create = [&](const std::string& name) { return two.Create(name); };
   const auto restart_rank_one = [&] {
     grpc::ServerBuilder b;
     b.AddListeningPort(two.addresses[1], grpc::InsecureServerCredentials());
@@ -443,13 +438,8 @@ TEST(TensorProxy, AWorkerNotLookedAtForAWhileIsWaitedForAgain) {
   two.servers[1]->Shutdown();
   two.servers[1].reset();
   const auto create_took = [&](const std::string& name) {
-    grpc::ClientContext ctx;
-    v1::CreateTensorRequest req;
-    req.set_job_id(two.job->job_id());
-    req.set_name(name);
-    v1::CreateTensorResponse resp;
     const absl::Time start = absl::Now();
-    const absl::Status s = FromGrpcStatus(two.stub->CreateTensor(&ctx, req, &resp));
+    const absl::Status s = two.Create(name);
     EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << name << ": " << s;
     return absl::Now() - start;
   };
