@@ -783,6 +783,13 @@ absl::StatusOr<std::shared_ptr<TensorHost>> JobRunner::Tensors(const std::string
     active = active_;
   }
   if (!active || active->request.job_id() != job_id) {
+    // A coordinator's call for a generation of the job placed here (it
+    // carries one): the rank ended under it, as an abort ends one (ABORTED;
+    // not NOT_FOUND, which a delete takes for a tensor gone already).
+    if (call.has_value()) {
+      return absl::AbortedError(absl::StrCat("generation ", call->generation, " of job '", job_id,
+                                             "' does not run on this worker (its rank ended)"));
+    }
     return absl::NotFoundError(absl::StrCat("job '", job_id, "' does not run on this worker"));
   }
   if (active->request.spec().kind() != v1::JOB_KIND_TENSOR) {

@@ -132,7 +132,8 @@ class JobRunner {
   // it runs on this worker, UNAVAILABLE while its rank is still connecting.
   // `call`, where given, is the job's generation (and uid) the caller
   // means: ABORTED where another generation runs here (the job was placed
-  // again), FAILED_PRECONDITION where another job of that id does.
+  // again) or none does (the rank ended), FAILED_PRECONDITION where another
+  // job of that id does.
   absl::StatusOr<std::shared_ptr<TensorHost>> Tensors(const std::string& job_id,
                                                       const std::optional<CallGeneration>& call = std::nullopt) const;
 

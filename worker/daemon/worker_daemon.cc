@@ -178,7 +178,10 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
     advertise.host = LocalHostName();
   }
   if (!options.coordinator.empty()) {
-    w->coordinator_ = v1::CoordinatorService::NewStub(CreateKeepaliveChannel(options.coordinator, channel_credentials));
+    // (Through DNS whatever the host is called: gRPC takes "unix:7070" for
+    // a local socket.)
+    w->coordinator_ =
+        v1::CoordinatorService::NewStub(CreateKeepaliveChannel(DialTarget(options.coordinator), channel_credentials));
     w->work_dir_ = options.work_dir;
     if (w->work_dir_.empty()) {
       const char* tmp = std::getenv("TMPDIR");

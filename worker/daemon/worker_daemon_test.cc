@@ -825,6 +825,9 @@ TEST(WorkerDaemon, ATensorRankWhoseGroupBrokeFailsInsteadOfServing) {
   const std::string error = runners[0]->Status().last_error();
   EXPECT_TRUE(absl::StrContains(error, "the rank's process group failed")) << error;
   EXPECT_EQ(runners[0]->Tensors("job-000007").status().code(), absl::StatusCode::kNotFound);
+  // The coordinator's call for the generation that ran here: its rank ended.
+  EXPECT_EQ(runners[0]->Tensors("job-000007", CallGeneration{1, "00c0ffee"}).status().code(),
+            absl::StatusCode::kAborted);
 }
 
 // The worker admits a rank by the memory floor the coordinator sends (computed
