@@ -55,6 +55,9 @@ int SubmitWith(CoordinatorClient& client, bool json) {
   // A flag this submit would not read is refused, not ignored (a flag
   // submit never reads is refused before this, Command::flags).
   const std::set<std::string> given = GivenFlags();
+  if (given.count("watch_timeout") > 0 && !absl::GetFlag(FLAGS_watch)) {
+    return Usage("submit: --watch-timeout bounds the watch of --watch; without --watch nothing is watched");
+  }
   if (kind == "tensor") {
     // The layout `tensor` takes (a pipeline is a TRAIN job's), and a name.
     std::string ignored = FlagsOf(given, "client/job_flags.cc", {"tp", "dp", "mode", "depth", "name"});

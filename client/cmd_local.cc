@@ -50,17 +50,31 @@ int RunLocal(const std::vector<std::string>&) {
     return Usage(absl::StrCat("local: ", cluster.status().message()));
   }
   if (!cluster.ok()) return Fail(cluster.status());
-  std::printf("coordinator %s (metrics http://%s/metrics), data dir %s\n", (*cluster)->address().c_str(),
-              (*cluster)->metrics_address().c_str(), (*cluster)->data_dir().c_str());
   const auto listed = (*cluster)->workers();
   if (!listed.ok()) return Fail(listed.status());
   const std::vector<v1::Worker>& workers = *listed;
-  for (size_t i = 0; i < workers.size(); ++i) {
-    std::printf("worker %s at %s (metrics http://%s/metrics)\n", workers[i].info().worker_id().c_str(),
-                workers[i].info().address().c_str(), workers[i].info().metrics_address().c_str());
+  if (JsonOutput()) {
+    // One line, once every worker registered: what a script waits for.
+    nlohmann::json ready = {{"coordinator", (*cluster)->address()},
+                            {"metrics", absl::StrCat("http://", (*cluster)->metrics_address(), "/metrics")},
+                            {"data_dir", (*cluster)->data_dir()},
+                            {"workers", nlohmann::json::array()}};
+    for (const v1::Worker& w : workers) {
+      ready["workers"].push_back({{"worker_id", w.info().worker_id()},
+                                  {"address", w.info().address()},
+                                  {"metrics", absl::StrCat("http://", w.info().metrics_address(), "/metrics")}});
+    }
+    std::printf("%s\n", JsonText(ready).c_str());
+  } else {
+    std::printf("coordinator %s (metrics http://%s/metrics), data dir %s\n", (*cluster)->address().c_str(),
+                (*cluster)->metrics_address().c_str(), (*cluster)->data_dir().c_str());
+    for (const v1::Worker& w : workers) {
+      std::printf("worker %s at %s (metrics http://%s/metrics)\n", w.info().worker_id().c_str(),
+                  w.info().address().c_str(), w.info().metrics_address().c_str());
+    }
+    std::printf("ready: %zu workers registered; export COLOD_COORDINATOR=%s; Ctrl-C stops the cluster\n",
+                workers.size(), (*cluster)->address().c_str());
   }
-  std::printf("ready: %zu workers registered; export COLOD_COORDINATOR=%s; Ctrl-C stops the cluster\n",
-              workers.size(), (*cluster)->address().c_str());
   std::fflush(stdout);
   const int sig = WaitForShutdownSignal();
   std::fprintf(stderr, "coloctl: %s: stopping the local cluster (again: at once)\n", ::strsignal(sig));
@@ -121,7 +135,9 @@ constexpr Command kCommands[] = {
      "              from it at the next start.\n"
      "              A worker that asks for a new process (exit 70: a CUDA device that\n"
      "              faulted; 71: an exception that escaped every handler) is started again,\n"
-     "              up to 3 times; a worker that exits otherwise is said on stderr.\n",
+     "              up to 3 times; a worker that exits otherwise is said on stderr.\n"
+     "              --output json: one line once ready, {\"coordinator\", \"metrics\",\n"
+     "              \"data_dir\", \"workers\": [{\"worker_id\", \"address\", \"metrics\"}]}.\n",
      RunLocal},
     {"health", "ADDR", "service",
      "  health ADDR Check the gRPC health (grpc.health.v1) of the daemon at HOST:PORT within\n"

@@ -62,6 +62,43 @@ TEST(Local, AnnouncesServesAndStopsItsCluster) {
   for (const std::string& w : workers) EXPECT_FALSE(Reachable(w)) << w;
 }
 
+// --output json announces the cluster on one line, once every worker
+// registered: addresses a script can dial at once.
+TEST(Local, JsonOutputAnnouncesTheClusterOnOneLine) {
+  Subprocess local(
+      {Runfile("client/coloctl"), "local", "--workers", "2", "--listen", "127.0.0.1:0", "--output", "json"},
+      TempPath("local-json.out"), TempPath("local-json.err"));
+  nlohmann::json ready;
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(60); absl::Now() < deadline && ready.is_null();) {
+    std::ifstream in(TempPath("local-json.out"));
+    std::string line;
+    if (std::getline(in, line) && in.good()) ready = nlohmann::json::parse(line);  // a whole line
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_TRUE(ready.is_object()) << testing::ReadFile(TempPath("local-json.err"));
+  const std::string address = ready["coordinator"];
+  EXPECT_TRUE(Reachable(address)) << ready;
+  EXPECT_TRUE(absl::StartsWith(ready["metrics"].get<std::string>(), "http://127.0.0.1:")) << ready;
+  EXPECT_TRUE(std::filesystem::is_directory(ready["data_dir"].get<std::string>())) << ready;
+  ASSERT_EQ(ready["workers"].size(), 2u) << ready;
+  const auto listed = RunCommand({Runfile("client/coloctl"), "--coordinator", address, "workers", "--output", "json"},
+                                 std::getenv("TEST_TMPDIR"));
+  ASSERT_EQ(listed.code, 0) << listed.err;
+  const auto workers = nlohmann::json::parse(listed.out)["workers"];
+  for (const auto& w : ready["workers"]) {
+    EXPECT_TRUE(Reachable(w["address"])) << w;
+    const bool registered = std::any_of(workers.begin(), workers.end(), [&](const nlohmann::json& r) {
+      return r["info"].value("workerId", "") == w["worker_id"] && r["info"].value("address", "") == w["address"];
+    });
+    EXPECT_TRUE(registered) << w << " not in " << listed.out;
+  }
+  EXPECT_EQ(testing::ReadFile(TempPath("local-json.out")).find("ready:"), std::string::npos);
+  local.Signal(SIGTERM);
+  const auto code = local.Wait(absl::Seconds(30));
+  ASSERT_TRUE(code.has_value());
+  EXPECT_EQ(*code, 0) << testing::ReadFile(TempPath("local-json.err"));
+}
+
 // A worker that exits before it registers (no such device, a build without
 // CUDA) fails the cluster at once, naming it and its log, instead of at the
 // registration deadline (60 s) with "did not register".
@@ -612,6 +649,10 @@ TEST(Local, CommandsRefuseWhatTheyWouldIgnore) {
   r = run({"--coordinator", nowhere, "--timeout", "1s", "submit", "--kind", "tensor", "--nowatch", "--tp", "2"});
   EXPECT_EQ(r.code, 69) << r.err;  // unreachable
   EXPECT_NE(r.err.find("UNAVAILABLE"), std::string::npos) << r.err;
+  // --watch-timeout bounds a watch: without --watch there is none.
+  r = run({"--coordinator", nowhere, "submit", "--model", "/m", "--watch-timeout", "1h"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("submit: --watch-timeout bounds the watch of --watch"), std::string::npos) << r.err;
   r = run({"--coordinator", nowhere, "submit", "--job-file", "/nonexistent.json", "--tp", "2", "--name", "x"});
   EXPECT_EQ(r.code, 2) << r.err;
   EXPECT_NE(r.err.find("submit --job-file: --name, --tp do not apply"), std::string::npos) << r.err;
