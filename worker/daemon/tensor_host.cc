@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/int_math.h"
 #include "common/status_macros.h"
+#include "kernels/device.h"
 #include "worker/colo/redistribute.h"
 #include "worker/colo/tensor_collectives.h"
 #include "worker/colo/tensor_proto.h"
@@ -304,6 +305,11 @@ absl::StatusOr<v1::TensorLayout> TensorHost::SetDistSpec(const v1::SetDistSpecRe
   const Entry& current = *found;
   NoGradScope no_grad;
   ASSIGN_OR_RETURN(ColoTensor next, current.tensor.Redistribute(spec));  // the collective, without the map's lock
+  // On NCCL the collective was only enqueued: a communicator the watchdog
+  // aborts meanwhile leaves the stream to run past it, and `next` holds what
+  // its memory held. It is kept only once the device ran it, without an error.
+  if (next.local().device().is_cuda()) RETURN_IF_ERROR(kernels::CudaSynchronize(next.local().device().index));
+  RETURN_IF_ERROR(pg_->AsyncError());
   absl::MutexLock lock(&mu_);
   auto it = tensors_.find(req.name());
   if (it == tensors_.end() || it->second.id != current.id) {  // deleted (and maybe made again) meanwhile
@@ -348,7 +354,11 @@ absl::StatusOr<v1::TensorValue> TensorHost::GetGlobal(const std::string& name, b
   NoGradScope no_grad;
   ASSIGN_OR_RETURN(ColoTensor whole, found->tensor.ToReplicate());
   if (!answer) return v1::TensorValue();
-  return TensorToProto(whole.local());
+  ASSIGN_OR_RETURN(v1::TensorValue value, TensorToProto(whole.local()));  // waits for the device
+  // A gather that NCCL's watchdog aborted (a peer late past the timeout)
+  // left the stream to run past it: what was read is not the tensor.
+  RETURN_IF_ERROR(pg_->AsyncError());
+  return value;
 }
 
 absl::StatusOr<v1::TensorLayout> TensorHost::Describe(const std::string& name) {

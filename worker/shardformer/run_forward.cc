@@ -148,6 +148,10 @@ absl::StatusOr<ForwardResult> ForwardRank(const ForwardRequest& request, Process
     // An image classifier's [batch, 1, labels]: one prediction an image.
     ASSIGN_OR_RETURN(result.logits, result.logits.Reshape(result.logits_shape));
   }
+  // Every result was read on the host above; on NCCL a collective of the
+  // pass that the watchdog aborted (a peer late past the timeout) left the
+  // stream to run past it, so that what was read is not the model's.
+  RETURN_IF_ERROR(pg.AsyncError());
   result.loss = loss.value;
   result.tokens = loss.tokens;
   return result;

@@ -755,8 +755,9 @@ absl::Status StatusFromGlooException(const std::exception& e, absl::string_view 
   if (dynamic_cast<const ::gloo::EnforceNotMet*>(&e) != nullptr) {
     return absl::InternalError(absl::StrCat("gloo ", op, ": a check of Gloo's failed: ", msg));
   }
+  // (A pair's listening side that no peer reached says "Connect timeout".)
   const bool timeout = absl::StrContains(msg, "Timed out") || absl::StrContains(msg, "timed out") ||
-                       absl::StrContains(msg, "DEADLINE_EXCEEDED");
+                       absl::StrContains(msg, "Connect timeout") || absl::StrContains(msg, "DEADLINE_EXCEEDED");
   return absl::Status(timeout ? absl::StatusCode::kDeadlineExceeded : absl::StatusCode::kUnavailable,
                       absl::StrCat("gloo ", op, ": ", msg));
 }

@@ -200,6 +200,9 @@ TEST(Gloo, AnExceptionBecomesTheStatusThatSaysWhatHappened) {
   EXPECT_EQ(closed.message(), "gloo all_reduce: Connection closed by peer");
   const absl::Status late = StatusFromGlooException(::gloo::IoException("Timed out waiting 2000ms"), "barrier");
   EXPECT_EQ(late.code(), absl::StatusCode::kDeadlineExceeded) << late;
+  const absl::Status unreached =
+      StatusFromGlooException(::gloo::IoException("Connect timeout [127.0.0.1]:40123"), "rendezvous");
+  EXPECT_EQ(unreached.code(), absl::StatusCode::kDeadlineExceeded) << unreached;
 }
 
 TEST(Gloo, TheTwoRankExchangeLeavesBothRanksTheSameBits) {

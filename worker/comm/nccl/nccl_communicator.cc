@@ -586,8 +586,24 @@ std::shared_ptr<Work> NcclCommunicator::AllToAll(const void* in, void* out, int6
   });
 }
 
+namespace {
+
+// A point-to-point call's peer, checked before NCCL sees it: NCCL poisons a
+// non-blocking communicator on an argument error (every later op fails),
+// and a send to oneself outside a group waits until the watchdog fires.
+absl::Status CheckPeer(const char* op, int peer, int rank, int size, bool self) {
+  if (peer >= 0 && peer < size && (self || peer != rank)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("nccl ", op, ": need a peer in [0, ", size, ")",
+                                                 self ? "" : absl::StrCat(" other than ", rank), ", got ", peer));
+}
+
+}  // namespace
+
 std::shared_ptr<Work> NcclCommunicator::Send(const void* data, int64_t count, DType dtype, int dst, uint32_t) {
   if (absl::Status s = CheckCollectiveCount("nccl Send", count, dtype, 1); !s.ok()) {
+    return std::make_shared<NcclWork>(this, "Send", nullptr, s);
+  }
+  if (absl::Status s = CheckPeer("Send", dst, rank_, size_, /*self=*/false); !s.ok()) {
     return std::make_shared<NcclWork>(this, "Send", nullptr, s);
   }
   return Enqueue("Send", [&](ncclComm_t comm) -> absl::Status {
@@ -600,6 +616,9 @@ std::shared_ptr<Work> NcclCommunicator::Recv(void* data, int64_t count, DType dt
   if (absl::Status s = CheckCollectiveCount("nccl Recv", count, dtype, 1); !s.ok()) {
     return std::make_shared<NcclWork>(this, "Recv", nullptr, s);
   }
+  if (absl::Status s = CheckPeer("Recv", src, rank_, size_, /*self=*/false); !s.ok()) {
+    return std::make_shared<NcclWork>(this, "Recv", nullptr, s);
+  }
   return Enqueue("Recv", [&](ncclComm_t comm) -> absl::Status {
     NCCL_RETURN_IF_ERROR(ncclRecv(data, count, ToNccl(dtype), src, comm, stream_));
     return absl::OkStatus();
@@ -610,6 +629,12 @@ std::shared_ptr<Work> NcclCommunicator::SendRecv(const void* send, int dst, void
                                                  DType dtype) {
   if (absl::Status s = CheckCollectiveCount("nccl SendRecv", count, dtype, 1); !s.ok()) {
     return std::make_shared<NcclWork>(this, "SendRecv", nullptr, s);
+  }
+  // (Grouped, a send to oneself meets its receive.)
+  for (const int peer : {dst, src}) {
+    if (absl::Status s = CheckPeer("SendRecv", peer, rank_, size_, /*self=*/true); !s.ok()) {
+      return std::make_shared<NcclWork>(this, "SendRecv", nullptr, s);
+    }
   }
   return Enqueue("SendRecv", [&](ncclComm_t comm) -> absl::Status {
     NCCL_RETURN_IF_ERROR(ncclGroupStart());

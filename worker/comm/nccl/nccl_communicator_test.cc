@@ -287,6 +287,16 @@ TEST_F(NcclRanks, SendRecvExchangesWithoutDeadlock) {
     float* out = DeviceFloats({10.0f * (r + 1), 10.0f * (r + 1) + 1});
     float* in = DeviceFloats({0, 0});
     const int peer = 1 - r;
+    // A peer outside the group, or oneself outside a group, is refused
+    // before NCCL sees it: the communicator stays usable.
+    for (const int bad : {-1, 2, r}) {
+      const absl::Status send = comm.Send(out, 2, DType::kF32, bad, 0)->Wait(kWait);
+      EXPECT_EQ(send.code(), absl::StatusCode::kInvalidArgument) << bad << ": " << send;
+      const absl::Status recv = comm.Recv(in, 2, DType::kF32, bad, 0)->Wait(kWait);
+      EXPECT_EQ(recv.code(), absl::StatusCode::kInvalidArgument) << bad << ": " << recv;
+    }
+    EXPECT_EQ(comm.SendRecv(out, 2, in, peer, 2, DType::kF32)->Wait(kWait).code(), absl::StatusCode::kInvalidArgument);
+    ASSERT_TRUE(comm.AsyncError().ok()) << comm.AsyncError();
     // Both ranks send first: only a grouped exchange completes.
     ASSERT_TRUE(comm.SendRecv(out, peer, in, peer, 2, DType::kF32)->Wait(kWait).ok());
     EXPECT_EQ(HostFloats(in, 2), (std::vector<float>{10.0f * (peer + 1), 10.0f * (peer + 1) + 1}));
