@@ -387,7 +387,8 @@ constexpr Command kCommands[] = {
      "              (P - 1) / (V M) of the compute against 1F1B's (P - 1) / M; --micro-batches a\n"
      "              multiple of --pp)]\n"
      "              [--clip-norm C] [--seed S] [--device cpu|cuda]\n"
-     "              [--precision auto|fp32|bf16|fp16 (auto: fp32 on CPUs, bf16 on GPUs)]\n"
+     "              [--precision auto|fp32|bf16 (auto: fp32 on CPUs, bf16 on GPUs; fp16 is\n"
+     "              refused: it needs loss scaling, which colod does not do yet)]\n"
      "              [--allow-tf32 (GPUs: f32 GEMMs on tensor cores in TF32)]\n"
      "              [--zero 0|1|2 (ZeRO over dp: 1 partitions the optimizer state, 2 the\n"
      "              gradients too; the losses are the plain run's)]\n"
@@ -415,7 +416,11 @@ constexpr Command kCommands[] = {
      "              and --labels TARGETS.npy (token ids [N, target_len], -100 after a target's\n"
      "              end); the decoder reads the targets shifted right after the config's\n"
      "              decoder_start_token_id; --seq-len must be at least input_len and\n"
-     "              target_len (memory admission and plan count both at it).\n",
+     "              target_len (memory admission and plan count both at it). A masked language\n"
+     "              model (BERT) needs --mask-token-id ID (its tokenizer's [MASK]: 103 in\n"
+     "              bert-base-uncased's vocab.txt): it sees every position, so 15 % of each\n"
+     "              window's are drawn and predicted (read as ID 80 % of the time, a random\n"
+     "              id 10 %, themselves 10 %), the others left out of the loss.\n",
      RunTrain},
     {"plan", "",
      "model world memory_per_rank device batch_size seq_len micro_batches grad_accum optimizer precision bucket_mb "

@@ -89,8 +89,9 @@ ABSL_FLAG(uint64_t, seed, 1,
           "train: the data sampler's seed; init-model: the weights'; tensor create, tensor demo: the N(0,1) "
           "values'.");
 ABSL_FLAG(std::string, precision, "auto",
-          "train: auto (fp32 on CPUs, bf16 on CUDA devices), fp32, or bf16 / fp16 mixed precision (parameters "
-          "and compute in 16 bits, f32 master weights and optimizer state).");
+          "train: auto (fp32 on CPUs, bf16 on CUDA devices), fp32, or bf16 mixed precision (parameters "
+          "and compute in 16 bits, f32 master weights and optimizer state). fp16 is refused for training (it "
+          "needs loss scaling, which colod does not do yet); `plan` takes it.");
 ABSL_FLAG(bool, allow_tf32, false,
           "train: on CUDA devices, f32 GEMMs may round their operands to TF32 and run on tensor cores (CPUs "
           "compute in f32 either way).");
@@ -109,6 +110,12 @@ ABSL_FLAG(int64_t, save_every, 0, "train: steps between checkpoints (with --save
 ABSL_FLAG(std::string, keep_last, "",
           "train, submit: keep the newest K checkpoints of --save (K >= 1) and remove older ones after each save "
           "(default: keep all).");
+// A string, so that leaving it out (not a masked language model) is told
+// from any id given.
+ABSL_FLAG(std::string, mask_token_id, "",
+          "train, submit: a masked language model's (BERT's) [MASK] id: 103 in bert-base-uncased's vocab.txt. "
+          "Required for one, which sees every position and so trains to predict masked tokens (15 % of each "
+          "window's), not the next one.");
 ABSL_FLAG(bool, keep_best, false,
           "train, submit: also keep the checkpoint of the lowest held-out loss (needs --eval-every dividing "
           "--save-every).");
@@ -354,6 +361,13 @@ absl::StatusOr<v1::JobSpec> TrainSpecFromFlags(bool require_data) {
   }
   t.set_keep_last(keep_last);
   t.set_keep_best(absl::GetFlag(FLAGS_keep_best));
+  if (const std::string mask = absl::GetFlag(FLAGS_mask_token_id); !mask.empty()) {
+    int64_t id = 0;
+    if (!absl::SimpleAtoi(mask, &id) || id < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--mask-token-id: '", mask, "' is not a token id (>= 0)"));
+    }
+    t.set_mask_token_id(id);
+  }
   if ((t.keep_last() > 0 || t.keep_best()) && t.checkpoint_dir().empty()) {
     return absl::InvalidArgumentError("--keep-last and --keep-best prune the checkpoints of --save: give --save DIR");
   }

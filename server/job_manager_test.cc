@@ -396,6 +396,22 @@ TEST(ValidateJobSpec, RejectsBadFieldsByName) {
   s = TrainSpec();
   s.mutable_train()->set_recompute(static_cast<v1::Recompute>(9));
   ExpectInvalid(s, "spec.train.recompute");
+  // A masked language model (BERT sees every position) trains with its
+  // [MASK] id, an id of its vocabulary; another model is given none.
+  s = TrainSpec();
+  s.mutable_model()->set_config_json(
+      R"({"model_type":"bert","vocab_size":50,"hidden_size":64,"num_hidden_layers":1,"num_attention_heads":4,
+          "intermediate_size":96,"max_position_embeddings":64,"type_vocab_size":2})");
+  ExpectInvalid(s, "spec.train.mask_token_id: required for a masked language model (bert");
+  s.mutable_train()->set_mask_token_id(50);
+  ExpectInvalid(s, "spec.train.mask_token_id: 50 is not an id of the model's vocabulary [0, 50)");
+  s.mutable_train()->set_mask_token_id(-1);
+  ExpectInvalid(s, "spec.train.mask_token_id: -1 is not an id");
+  s.mutable_train()->set_mask_token_id(0);
+  EXPECT_TRUE(ValidateJobSpec(s).ok()) << ValidateJobSpec(s);
+  s = TrainSpec();
+  s.mutable_train()->set_mask_token_id(3);
+  ExpectInvalid(s, "spec.train.mask_token_id: is for a masked language model (bert); a gpt2 predicts its next");
 }
 
 TEST(JobManager, SubmitGetListCancel) {

@@ -179,6 +179,7 @@ absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shar
   }
   if (!v1::Optimizer_IsValid(t.optimizer())) return Invalid(path, "optimizer", "unknown value");
   if (!v1::Precision_IsValid(t.precision())) return Invalid(path, "precision", "unknown value");
+  if (t.precision() == v1::PRECISION_FP16_MIXED) return Invalid(path, "precision", kFp16TrainingRefused);
   if (!v1::Recompute_IsValid(t.recompute())) return Invalid(path, "recompute", "unknown value");
   if (absl::Status format = CheckDataFormat(t.data_format()); !format.ok()) {
     return Invalid(path, "data_format", format.message());
@@ -557,6 +558,23 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
         return Invalid("spec.train", "eval_labels_path",
                        absl::StrCat("is for image classifiers and encoder-decoders; a ", config.model_type,
                                     " predicts its next tokens"));
+      }
+      if (config.masked_lm() && !spec.train().has_mask_token_id()) {
+        return Invalid("spec.train", "mask_token_id",
+                       absl::StrCat("required for a masked language model (", config.model_type,
+                                    ": it sees every position, so it trains to predict masked tokens, not the next "
+                                    "one): the tokenizer's [MASK] id, 103 in bert-base-uncased's vocab.txt"));
+      }
+      if (!config.masked_lm() && spec.train().has_mask_token_id()) {
+        return Invalid("spec.train", "mask_token_id",
+                       absl::StrCat("is for a masked language model (bert); a ", config.model_type,
+                                    examples ? " trains on its labels" : " predicts its next tokens"));
+      }
+      if (spec.train().has_mask_token_id() &&
+          (spec.train().mask_token_id() < 0 || spec.train().mask_token_id() >= config.vocab_size)) {
+        return Invalid("spec.train", "mask_token_id",
+                       absl::StrCat(spec.train().mask_token_id(), " is not an id of the model's vocabulary [0, ",
+                                    config.vocab_size, ")"));
       }
       if (config.is_encoder_decoder() && spec.train().recompute() != v1::RECOMPUTE_UNSPECIFIED &&
           spec.train().recompute() != v1::RECOMPUTE_NONE) {

@@ -35,6 +35,13 @@ absl::Status CheckModelDType(const std::string& dtype);
 // path (e.g. "spec.shard.tensor_parallel_size: ..."). Names and labels are
 // bounded (above).
 absl::Status ValidateJobSpec(const v1::JobSpec& spec);
+
+// Why a TRAIN job in fp16 mixed precision is refused (by ValidateJobSpec and
+// the worker alike).
+inline constexpr char kFp16TrainingRefused[] =
+    "fp16 mixed precision is not trained: it needs loss scaling, which colod does not do yet (without it the "
+    "small gradients of a real model flush to zero in f16, and the run learns little, silently); train in bf16 "
+    "(PRECISION_BF16_MIXED, f32's range in 16 bits) or fp32";
 // The most passes a training step accumulates (TrainConfig.grad_accum).
 inline constexpr int kMaxGradAccum = 65536;
 // The most micro-batches one training step runs: grad_accum passes of

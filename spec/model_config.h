@@ -65,6 +65,9 @@ struct ModelConfig {
   bool is_encoder_decoder() const { return num_decoder_layers > 0; }
   // Whether the model reads images [B, C, H, W] (ViT) rather than token ids.
   bool takes_images() const { return image_size > 0; }
+  // Whether the model sees every position (BERT), so that it trains as a
+  // masked language model (TrainSpec.mask_token_id), not on next tokens.
+  bool masked_lm() const { return model_type == "bert"; }
   // Whether queries and keys are rotated (RoPE: LLaMA) before the attention.
   bool rotary() const { return model_type == "llama"; }
   // Whether q, k and v come out of one fused projection, the attention

@@ -705,8 +705,42 @@ std::vector<int64_t> BatchSampler::Starts(int64_t step, int64_t first, int64_t c
   return starts;
 }
 
-absl::Status BatchSampler::Batch(const TokenCorpus& corpus, int64_t step, int replica, Tensor* inputs,
-                                 Tensor* labels, int64_t first, int64_t count) const {
+namespace {
+
+// MaskedLm's draws for one position: whether it is masked, then how it is
+// read and which random id; from (seed, step, global row, position) alone.
+struct MaskDraw {
+  bool masked;
+  uint64_t how, random_id;
+};
+
+uint64_t MaskRowKey(uint64_t seed, int64_t step, int64_t row) {
+  constexpr uint64_t kMaskSalt = 0x6d61736b65646c6dULL;  // "maskedlm": not the starts' stream
+  return Mix(Mix(seed ^ kMaskSalt ^ Mix(static_cast<uint64_t>(step))) + static_cast<uint64_t>(row));
+}
+
+MaskDraw DrawMask(uint64_t row_key, int64_t position) {
+  // 0.15 of 2^64, below which a draw masks.
+  constexpr uint64_t kBelow = static_cast<uint64_t>(MaskedLm::kMaskedFraction * 18446744073709551616.0);
+  const uint64_t at = row_key + 3 * static_cast<uint64_t>(position);
+  return MaskDraw{.masked = Mix(at) < kBelow, .how = Mix(at + 1), .random_id = Mix(at + 2)};
+}
+
+}  // namespace
+
+int64_t BatchSampler::MaskedPositions(int64_t step, int64_t first, int64_t count) const {
+  first = std::clamp<int64_t>(first, 0, global_batch_);
+  count = std::clamp<int64_t>(count, 0, global_batch_ - first);
+  int64_t masked = 0;
+  for (int64_t r = first; r < first + count; ++r) {
+    const uint64_t key = MaskRowKey(seed_, step, r);
+    for (int64_t p = 0; p < seq_len_; ++p) masked += DrawMask(key, p).masked ? 1 : 0;
+  }
+  return masked;
+}
+
+absl::Status BatchSampler::Batch(const TokenCorpus& corpus, int64_t step, int replica, Tensor* inputs, Tensor* labels,
+                                 int64_t first, int64_t count, const MaskedLm* masked) const {
   const int64_t replica_rows = global_batch_ / dp_;
   if (count < 0) count = replica_rows - first;
   if (replica < 0 || replica >= dp_) {
@@ -720,10 +754,31 @@ absl::Status BatchSampler::Batch(const TokenCorpus& corpus, int64_t step, int re
   // Only this pass's rows of the step (a step may hold 2^31 of them).
   const std::vector<int64_t> starts = Starts(step, replica * replica_rows + first, rows);
   std::vector<int64_t> in(rows * seq_len_), out(rows * seq_len_), window(seq_len_ + 1);
+  if (masked != nullptr &&
+      (masked->vocab_size < 1 || masked->mask_token_id < 0 || masked->mask_token_id >= masked->vocab_size)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("mask_token_id ", masked->mask_token_id, " is not an id of a vocabulary of ", masked->vocab_size));
+  }
   for (int64_t r = 0; r < rows; ++r) {
     RETURN_IF_ERROR(corpus.Read(starts[r], seq_len_ + 1, window.data()));
-    std::copy(window.begin(), window.end() - 1, in.begin() + r * seq_len_);
-    std::copy(window.begin() + 1, window.end(), out.begin() + r * seq_len_);
+    if (masked == nullptr) {
+      std::copy(window.begin(), window.end() - 1, in.begin() + r * seq_len_);
+      std::copy(window.begin() + 1, window.end(), out.begin() + r * seq_len_);
+      continue;
+    }
+    const uint64_t key = MaskRowKey(seed_, step, replica * replica_rows + first + r);
+    for (int64_t p = 0; p < seq_len_; ++p) {
+      const int64_t token = window[p];
+      const MaskDraw d = DrawMask(key, p);
+      int64_t read = token;
+      if (d.masked && d.how % 10 < 8) {
+        read = masked->mask_token_id;
+      } else if (d.masked && d.how % 10 == 8) {
+        read = static_cast<int64_t>(d.random_id % static_cast<uint64_t>(masked->vocab_size));
+      }
+      in[r * seq_len_ + p] = read;
+      out[r * seq_len_ + p] = d.masked ? token : int64_t{-100};
+    }
   }
   ASSIGN_OR_RETURN(*inputs, Tensor::FromInt64s({rows, seq_len_}, in));
   ASSIGN_OR_RETURN(*labels, Tensor::FromInt64s({rows, seq_len_}, out));

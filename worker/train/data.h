@@ -206,6 +206,21 @@ struct SampleRange {
   bool sequential = false;
 };
 
+// Masked language modelling (BERT: TrainConfig.mask_token_id). Each
+// position of a window is drawn with probability kMaskedFraction from (the
+// sampler's seed, the step, the row of the global batch, the position) and
+// not from the tokens, so that every rank counts a step's labelled
+// positions without reading its data, and a row masks the same however the
+// batch splits over replicas and micro-batches. A drawn position is
+// labelled with its token and read as mask_token_id 80 % of the time, a
+// random id of [0, vocab_size) 10 %, itself 10 %; the others are labelled
+// -100 (Hugging Face's DataCollatorForLanguageModeling).
+struct MaskedLm {
+  static constexpr double kMaskedFraction = 0.15;
+  int64_t mask_token_id = 0;
+  int64_t vocab_size = 0;
+};
+
 class BatchSampler {
  public:
   // INVALID_ARGUMENT when the range has fewer than seq_len + 1 tokens or
@@ -227,8 +242,13 @@ class BatchSampler {
   // Replica `replica`'s rows of step `step`: inputs [B/dp, seq_len] and
   // next-token labels [B/dp, seq_len] (int64); with count >= 0, only its
   // rows [first, first + count) (INVALID_ARGUMENT outside [0, B/dp)).
+  // With `masked`, the inputs are each window's seq_len tokens, masked,
+  // and the labels the masked positions' tokens (-100 elsewhere).
   absl::Status Batch(const TokenCorpus& corpus, int64_t step, int replica, Tensor* inputs, Tensor* labels,
-                     int64_t first = 0, int64_t count = -1) const;
+                     int64_t first = 0, int64_t count = -1, const MaskedLm* masked = nullptr) const;
+  // The positions MaskedLm draws in rows [first, first + count) of step
+  // `step`'s global batch (clamped to it).
+  int64_t MaskedPositions(int64_t step, int64_t first, int64_t count) const;
 
   int64_t seq_len() const { return seq_len_; }
   int64_t global_batch() const { return global_batch_; }

@@ -567,6 +567,92 @@ TEST(BatchSampler, SeededDisjointReplicasAndNextTokenLabels) {
   EXPECT_EQ(BatchSampler::Create(10, 16, 8, 1, 1).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A masked language model's batch (BERT): the windows' own tokens (not
+// shifted), about 15 % of the positions labelled with their token and the
+// rest -100; of the labelled ones about 80 % read as [MASK], 10 % as
+// another id, 10 % as themselves. The draws are a function of (seed, step,
+// global row, position): a replica's or a pass's rows mask as in the whole
+// batch, MaskedPositions counts the labels without reading the data, and
+// another step or seed draws other positions.
+TEST(BatchSampler, AMaskedLanguageModelsBatchMasksFifteenPercentOfPositions) {
+  constexpr int64_t kVocab = 1000, kMask = 999, kSeq = 64;
+  std::vector<int64_t> tokens(20000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>(i % 997);  // never kMask
+  ASSERT_TRUE(WriteNpy(TempPath("mlm.npy"), *Tensor::FromInt64s({20000}, tokens)).ok());
+  auto corpus = TokenCorpus::Open(TempPath("mlm.npy"));
+  ASSERT_TRUE(corpus.ok()) << corpus.status();
+  const MaskedLm mlm{.mask_token_id = kMask, .vocab_size = kVocab};
+  auto s = BatchSampler::Create(20000, kSeq, 64, 2, 42);
+  ASSERT_TRUE(s.ok()) << s.status();
+  int64_t labelled = 0, as_mask = 0, as_other = 0, as_itself = 0;
+  std::vector<int64_t> whole_in, whole_out;
+  for (int replica = 0; replica < 2; ++replica) {
+    Tensor in, out;
+    ASSERT_TRUE(s->Batch(**corpus, 5, replica, &in, &out, 0, -1, &mlm).ok());
+    ASSERT_EQ(in.shape(), (Shape{32, kSeq}));
+    ASSERT_EQ(out.shape(), (Shape{32, kSeq}));
+    const std::vector<int64_t> x = in.ToInt64s(), y = out.ToInt64s();
+    const std::vector<int64_t> starts = s->Starts(5, replica * 32, 32);
+    for (int64_t r = 0; r < 32; ++r) {
+      for (int64_t p = 0; p < kSeq; ++p) {
+        const int64_t token = tokens[starts[r] + p], read = x[r * kSeq + p], label = y[r * kSeq + p];
+        if (label == -100) {
+          EXPECT_EQ(read, token) << "an unlabelled position reads its own token";
+          continue;
+        }
+        EXPECT_EQ(label, token) << "a labelled position predicts its own token, not the next";
+        ++labelled;
+        if (read == kMask) {
+          ++as_mask;
+        } else if (read == token) {
+          ++as_itself;
+        } else {
+          ++as_other;
+          EXPECT_GE(read, 0);
+          EXPECT_LT(read, kVocab);
+        }
+      }
+    }
+    whole_in.insert(whole_in.end(), x.begin(), x.end());
+    whole_out.insert(whole_out.end(), y.begin(), y.end());
+  }
+  // 4096 positions: 15 % is 614, and 4 sigma (about 23 each way) bounds it.
+  EXPECT_NEAR(static_cast<double>(labelled), 0.15 * 4096, 100) << labelled;
+  EXPECT_EQ(s->MaskedPositions(5, 0, 64), labelled);
+  EXPECT_NEAR(static_cast<double>(as_mask) / static_cast<double>(labelled), 0.8, 0.08);
+  EXPECT_NEAR(static_cast<double>(as_other) / static_cast<double>(labelled), 0.1, 0.05);
+  EXPECT_NEAR(static_cast<double>(as_itself) / static_cast<double>(labelled), 0.1, 0.05);
+  // A pass's rows alone: as in the whole batch.
+  Tensor part, part_out;
+  ASSERT_TRUE(s->Batch(**corpus, 5, 1, &part, &part_out, 3, 4, &mlm).ok());
+  EXPECT_EQ(part.ToInt64s(), std::vector<int64_t>(whole_in.begin() + 35 * kSeq, whole_in.begin() + 39 * kSeq));
+  EXPECT_EQ(part_out.ToInt64s(), std::vector<int64_t>(whole_out.begin() + 35 * kSeq, whole_out.begin() + 39 * kSeq));
+  int64_t in_part = 0;
+  for (int64_t v : part_out.ToInt64s()) in_part += v != -100 ? 1 : 0;
+  EXPECT_EQ(s->MaskedPositions(5, 35, 4), in_part);
+  // The same rows split over 4 replicas: the same masks.
+  auto four = BatchSampler::Create(20000, kSeq, 64, 4, 42);
+  ASSERT_TRUE(four.ok());
+  Tensor q_in, q_out;
+  ASSERT_TRUE(four->Batch(**corpus, 5, 1, &q_in, &q_out, 0, -1, &mlm).ok());  // rows 16 .. 31
+  EXPECT_EQ(q_out.ToInt64s(), std::vector<int64_t>(whole_out.begin() + 16 * kSeq, whole_out.begin() + 32 * kSeq));
+  // Another step or seed: other positions.
+  const auto masked_at = [&](const BatchSampler& sampler, int64_t step) {
+    Tensor i, o;
+    EXPECT_TRUE(sampler.Batch(**corpus, step, 0, &i, &o, 0, -1, &mlm).ok());
+    std::vector<bool> at;
+    for (int64_t v : o.ToInt64s()) at.push_back(v != -100);
+    return at;
+  };
+  const std::vector<bool> here = masked_at(*s, 5);
+  EXPECT_EQ(here, masked_at(*BatchSampler::Create(20000, kSeq, 64, 2, 42), 5));  // (seed, step) decide
+  EXPECT_NE(here, masked_at(*s, 6));
+  EXPECT_NE(here, masked_at(*BatchSampler::Create(20000, kSeq, 64, 2, 43), 5));
+  // A [MASK] outside the vocabulary is refused.
+  const MaskedLm outside{.mask_token_id = kVocab, .vocab_size = kVocab};
+  EXPECT_EQ(s->Batch(**corpus, 5, 0, &part, &part_out, 0, -1, &outside).code(), absl::StatusCode::kInvalidArgument);
+}
+
 // The held-out split (eval_split): at the document boundary nearest to the
 // fraction where the corpus has documents, at the token otherwise; refused
 // when a side would be shorter than a window or the fraction is out of (0, 1).

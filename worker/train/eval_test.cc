@@ -97,6 +97,61 @@ TEST(Eval, TheHeldOutLossIsTheUnshardedReferencesOnTheTrailingWindows) {
   }
 }
 
+// BERT sees every position, so it is evaluated (and trained) as a masked
+// language model: the loss is the unsharded reference's over the masked
+// positions of the windows the evaluation reads, masked as BatchSampler
+// masks them (seed 0), and counts only those; the same at tp 2, 2D and pp 2.
+TEST(Eval, AMaskedLanguageModelIsEvaluatedOnItsMaskedPositions) {
+  auto model = shardformer::testing::WriteTinyBert(TempPath("eval_bert"), TinyByteLevel());
+  ASSERT_TRUE(model.ok()) << model.status();
+  TrainOptions o = testing::SmallRun(model->dir, 1, 1, 1);
+  ASSERT_TRUE(o.mask_token_id.has_value());
+  o.seq_len = 16;
+  std::vector<int64_t> held(400);
+  for (size_t i = 0; i < held.size(); ++i) held[i] = static_cast<int64_t>((i * 37 + 11) % 250);
+  o.eval_data_path = TempPath("eval_bert_held.npy");
+  ASSERT_TRUE(WriteNpy(o.eval_data_path, *Tensor::FromInt64s({400}, held)).ok());
+  o.eval_steps = 2;
+  // The evaluation's two batches of 8: the first 16 windows, masked.
+  auto sampler = BatchSampler::Create(400, 16, 8, 1, /*seed=*/0, SampleRange{.sequential = true});
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
+  auto corpus = TokenCorpus::Open(o.eval_data_path);
+  ASSERT_TRUE(corpus.ok()) << corpus.status();
+  const MaskedLm mlm{.mask_token_id = *o.mask_token_id, .vocab_size = model->config.vocab_size};
+  std::vector<int64_t> ids, labels;
+  for (int64_t k = 0; k < 2; ++k) {
+    Tensor in, out;
+    ASSERT_TRUE(sampler->Batch(**corpus, k, 0, &in, &out, 0, -1, &mlm).ok());
+    for (int64_t v : in.ToInt64s()) ids.push_back(v);
+    for (int64_t v : out.ToInt64s()) labels.push_back(v);
+  }
+  const int64_t masked = sampler->MaskedPositions(0, 0, 8) + sampler->MaskedPositions(1, 0, 8);
+  ASSERT_GT(masked, 0);
+  auto ref = shardformer::testing::ReferenceBert(*model, *Tensor::FromInt64s({16, 16}, ids),
+                                                 *Tensor::FromInt64s({16, 16}, labels));
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  ASSERT_EQ(ref->tokens, masked);
+  for (const auto& [what, layout] : std::vector<std::pair<std::string, TrainOptions>>{
+           {"one rank", o},
+           {"tp2", WithLayout(o, 2, 1, 1)},
+           {"2D tp4", WithLayout(o, 4, 1, 1, v1::TENSOR_PARALLEL_MODE_2D)},
+           {"pp2 x dp2", [&] {
+              TrainOptions p = WithLayout(o, 1, 2, 2);
+              p.micro_batches = 2;
+              return p;
+            }()}}) {
+    const EvalStats e = EvalOnly(layout);
+    EXPECT_NEAR(e.loss, ref->loss, 1e-5 * ref->loss) << what;
+    EXPECT_EQ(e.tokens, masked) << what;
+  }
+  // Without its [MASK] id a BERT run is refused, naming why.
+  TrainOptions bare = o;
+  bare.mask_token_id.reset();
+  const absl::Status refused = Train(bare, [](const StepStats&) {});
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(refused.message().find("masked language model, which needs mask_token_id"), std::string::npos) << refused;
+}
+
 // The default evaluation reads the held-out windows once, even where they
 // do not fill its last batch: batches of 8 over W windows (W not a multiple
 // of 8) give the loss and the labelled positions of batches of 1, which

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/proto_time.h"
 #include "common/status_macros.h"
+#include "spec/job_validation.h"
 #include "worker/shardformer/checkpoint.h"
 
 namespace colod::train {
@@ -56,8 +57,7 @@ absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const
       o.shard.param_dtype = DType::kBF16;
       break;
     case v1::PRECISION_FP16_MIXED:
-      o.shard.param_dtype = DType::kF16;
-      break;
+      return absl::InvalidArgumentError(absl::StrCat("spec.train.precision: ", kFp16TrainingRefused));
     default:
       return absl::InvalidArgumentError(absl::StrCat("spec.train.precision: unknown value ", t.precision()));
   }
@@ -96,6 +96,7 @@ absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const
   o.eval_only = t.eval_only();
   o.keep_last = t.keep_last();
   o.keep_best = t.keep_best();
+  if (t.has_mask_token_id()) o.mask_token_id = t.mask_token_id();
   return o;
 }
 
@@ -157,6 +158,7 @@ v1::JobSpec SpecFromTrainOptions(const TrainOptions& o) {
   t.set_eval_only(o.eval_only);
   t.set_keep_last(static_cast<int32_t>(o.keep_last));
   t.set_keep_best(o.keep_best);
+  if (o.mask_token_id.has_value()) t.set_mask_token_id(*o.mask_token_id);
   return spec;
 }
 

@@ -20,15 +20,21 @@ TEST(JobOptions, AnUnspecifiedPrecisionIsTheDevicesDefault) {
   EXPECT_EQ(gpu->shard.param_dtype, DType::kBF16);
   EXPECT_TRUE(gpu->cuda);
   // A precision the spec names holds on every device.
-  for (auto [precision, dtype] : {std::pair{v1::PRECISION_FP32, DType::kF32},
-                                  std::pair{v1::PRECISION_BF16_MIXED, DType::kBF16},
-                                  std::pair{v1::PRECISION_FP16_MIXED, DType::kF16}}) {
+  for (auto [precision, dtype] :
+       {std::pair{v1::PRECISION_FP32, DType::kF32}, std::pair{v1::PRECISION_BF16_MIXED, DType::kBF16}}) {
     spec.mutable_train()->set_precision(precision);
     for (bool cuda : {false, true}) {
       absl::StatusOr<TrainOptions> o = TrainOptionsFromSpec(spec, "/m", cuda);
       ASSERT_TRUE(o.ok()) << o.status();
       EXPECT_EQ(o->shard.param_dtype, dtype) << precision << " cuda " << cuda;
     }
+  }
+  // fp16 is refused, on every device: it trains only with loss scaling.
+  spec.mutable_train()->set_precision(v1::PRECISION_FP16_MIXED);
+  for (bool cuda : {false, true}) {
+    const absl::Status fp16 = TrainOptionsFromSpec(spec, "/m", cuda).status();
+    EXPECT_EQ(fp16.code(), absl::StatusCode::kInvalidArgument) << fp16;
+    EXPECT_NE(fp16.message().find("it needs loss scaling"), std::string::npos) << fp16;
   }
   spec.mutable_train()->set_precision(static_cast<v1::Precision>(99));
   EXPECT_EQ(TrainOptionsFromSpec(spec, "/m", true).status().code(), absl::StatusCode::kInvalidArgument);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "spec/model_config.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/shardformer/testing.h"
 #include "worker/tensor/npy.h"
@@ -46,6 +47,11 @@ inline TrainOptions SmallRun(const std::string& model, int tp, int dp, int64_t s
   o.shard.layout.set_tensor_parallel_size(tp);
   o.shard.layout.set_data_parallel_size(dp);
   o.bucket_bytes = 64 << 10;
+  // A masked language model (BERT) trains on masked positions: its [MASK],
+  // the vocabulary's last id (the byte-level corpus never holds it).
+  if (const absl::StatusOr<ModelConfig> config = ReadModelConfig(model); config.ok() && config->masked_lm()) {
+    o.mask_token_id = config->vocab_size - 1;
+  }
   return o;
 }
 

@@ -108,22 +108,28 @@ absl::StatusOr<Tensor> IgnoreRowsFrom(const Tensor& labels, int64_t from) {
   return Tensor::FromInt64s(labels.shape(), values);
 }
 
+// A token corpus's windows: next-token prediction, or with `masked` a
+// masked language model's.
 class CorpusData final : public TrainData {
  public:
-  CorpusData(std::shared_ptr<const TokenCorpus> corpus, BatchSampler sampler, int64_t once)
-      : corpus_(std::move(corpus)), sampler_(std::move(sampler)), once_(once) {}
+  CorpusData(std::shared_ptr<const TokenCorpus> corpus, BatchSampler sampler, int64_t once,
+             std::optional<MaskedLm> masked)
+      : corpus_(std::move(corpus)), sampler_(std::move(sampler)), once_(once), masked_(masked) {}
   absl::StatusOr<StepBatch> Batch(int64_t step, int replica, int64_t rows, int64_t first,
                                   int64_t count) const override {
     StepBatch b;
-    RETURN_IF_ERROR(sampler_.Batch(*corpus_, step, replica, &b.inputs, &b.labels, first, count));
+    RETURN_IF_ERROR(sampler_.Batch(*corpus_, step, replica, &b.inputs, &b.labels, first, count,
+                                   masked_.has_value() ? &*masked_ : nullptr));
     if (once_ != kNoLimit) {
       const int64_t within = RowsWithin(once_, step, sampler_.global_batch());
       ASSIGN_OR_RETURN(b.labels, IgnoreRowsFrom(b.labels, within - replica * rows - first));
     }
     return b;
   }
-  int64_t Labelled(int64_t step) const override {  // every token has its next
-    return RowsWithin(once_, step, sampler_.global_batch()) * sampler_.seq_len();
+  int64_t Labelled(int64_t step) const override {
+    const int64_t rows = RowsWithin(once_, step, sampler_.global_batch());
+    if (masked_.has_value()) return sampler_.MaskedPositions(step, 0, rows);
+    return rows * sampler_.seq_len();  // every token has its next
   }
   int64_t TokensPerRow() const override { return sampler_.seq_len(); }
   int64_t windows() const override { return sampler_.windows(); }
@@ -132,6 +138,7 @@ class CorpusData final : public TrainData {
   std::shared_ptr<const TokenCorpus> corpus_;
   BatchSampler sampler_;
   int64_t once_;
+  std::optional<MaskedLm> masked_;
 };
 
 // Images with labels, or (input, target) pairs: whole examples, some of
@@ -219,11 +226,12 @@ absl::StatusOr<Source> OpenSource(const ModelConfig& config, const std::string& 
 // that reads the held-out rows once, the rows past them in its last batch
 // left out).
 absl::StatusOr<std::unique_ptr<TrainData>> SampleSource(const Source& s, int64_t seq_len, int64_t batch, int dp,
-                                                        uint64_t seed, SampleRange range, bool once = false) {
+                                                        uint64_t seed, SampleRange range,
+                                                        std::optional<MaskedLm> masked, bool once = false) {
   if (s.corpus) {
     ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::Create(s.corpus->size(), seq_len, batch, dp, seed, range));
     const int64_t limit = once ? sampler.windows() : kNoLimit;
-    return std::make_unique<CorpusData>(s.corpus, std::move(sampler), limit);
+    return std::make_unique<CorpusData>(s.corpus, std::move(sampler), limit, masked);
   }
   ASSIGN_OR_RETURN(BatchSampler sampler, BatchSampler::ForExamples(s.size(), batch, dp, seed, range));
   const int64_t limit = once ? sampler.windows() : kNoLimit;
@@ -342,6 +350,7 @@ absl::Status CheckFinalDir(const TrainOptions& o) {
 
 absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOptions& o) {
   if (o.steps < 1 || o.micro_batches < 1) return absl::InvalidArgumentError("steps and micro_batches must be >= 1");
+  if (o.shard.param_dtype == DType::kF16) return absl::InvalidArgumentError(kFp16TrainingRefused);
   if (o.grad_accum < 1 || o.grad_accum > kMaxGradAccum) {
     return absl::InvalidArgumentError(
         absl::StrCat("grad_accum ", o.grad_accum, " is not in [1, ", kMaxGradAccum, "]"));
@@ -427,6 +436,18 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
     return absl::InvalidArgumentError(absl::StrCat("seq_len ", o.seq_len, " exceeds the model's ",
                                                    config.max_positions, " positions"));
   }
+  if (config.masked_lm() != o.mask_token_id.has_value()) {
+    return absl::InvalidArgumentError(
+        config.masked_lm() ? absl::StrCat(o.model_dir, " (", config.model_type,
+                                          ") sees every position: it trains as a masked "
+                                          "language model, which needs mask_token_id (the tokenizer's [MASK] id)")
+                           : absl::StrCat("mask_token_id is for a masked language model: ", o.model_dir, " (",
+                                          config.model_type, ") does not train as one"));
+  }
+  if (o.mask_token_id.has_value() && (*o.mask_token_id < 0 || *o.mask_token_id >= config.vocab_size)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "mask_token_id ", *o.mask_token_id, " is not an id of the model's vocabulary [0, ", config.vocab_size, ")"));
+  }
   auto run = std::make_shared<PreparedTrain>();
   run->options = o;
   run->seed = o.seed;
@@ -474,6 +495,13 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
       COLOD_LOG(INFO) << "resuming " << run->resume << " at its precision, " << PrecisionName(*state.param_dtype)
                       << " (auto; this device's default is " << PrecisionName(o.shard.param_dtype) << ")";
       run->options.shard.param_dtype = *state.param_dtype;
+    }
+    if (run->options.shard.param_dtype == DType::kF16) {  // a checkpoint of an older colod
+      return absl::InvalidArgumentError(absl::StrCat("the checkpoint to resume from, ", run->resume,
+                                                     ", was trained in fp16: ", kFp16TrainingRefused,
+                                                     " (start a run from its model: `coloctl consolidate "
+                                                     "--checkpoint ",
+                                                     run->resume, " --out DIR`)"));
     }
     run->seed = state.seed;  // the sampler continues the stream it was on
     // A run continued in a directory of checkpoints counts the runs it
@@ -565,11 +593,16 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
     held = *std::move(opened);
     RETURN_IF_ERROR(within_seq_len(held, "eval_data_path"));
   }
-  ASSIGN_OR_RETURN(run->data, SampleSource(train, o.seq_len, run->step_batch, dp, run->seed, train_range));
+  std::optional<MaskedLm> masked;
+  if (o.mask_token_id.has_value()) {
+    masked = MaskedLm{.mask_token_id = *o.mask_token_id, .vocab_size = config.vocab_size};
+  }
+  ASSIGN_OR_RETURN(run->data, SampleSource(train, o.seq_len, run->step_batch, dp, run->seed, train_range, masked));
   if (!evaluates) return std::shared_ptr<const PreparedTrain>(std::move(run));
   EvalPlan eval;
+  // Seed 0: every evaluation (of any run) reads, and masks, the same.
   absl::StatusOr<std::unique_ptr<TrainData>> sampled =
-      SampleSource(held, o.seq_len, o.batch_size, dp, /*seed=*/0, eval_range, /*once=*/o.eval_steps == 0);
+      SampleSource(held, o.seq_len, o.batch_size, dp, /*seed=*/0, eval_range, masked, /*once=*/o.eval_steps == 0);
   if (!sampled.ok()) {
     return absl::Status(sampled.status().code(), absl::StrCat("the held-out data: ", sampled.status().message()));
   }

@@ -92,6 +92,9 @@ struct TrainOptions {
   // needs eval_every > 0 dividing save_every).
   int64_t keep_last = 0;
   bool keep_best = false;
+  // A masked language model's [MASK] id (TrainConfig.mask_token_id):
+  // required for one (ModelConfig::masked_lm), refused for another.
+  std::optional<int64_t> mask_token_id;
   std::string resume_dir;     // if set, continue from its newest complete checkpoint, or from it if it is one
   // The coordinator's job and its generation (the worker daemon sets them;
   // none and 0 elsewhere): checkpoints are written through a temporary
