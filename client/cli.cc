@@ -429,8 +429,8 @@ void PrintStep(const v1::StepProgress& p, int64_t steps, bool json) {
   std::fflush(stdout);
 }
 
-int PrintForwardResult(const v1::ForwardResult& result, bool images, const std::string& logits_path, bool json,
-                       const std::string& writer) {
+int PrintForwardResult(const v1::ForwardResult& result, bool images, bool labels, const std::string& logits_path,
+                       bool json, const std::string& writer) {
   const std::vector<int64_t> s(result.logits_shape().begin(), result.logits_shape().end());
   if (s.size() != (images ? 2u : 3u)) {
     return Fail(absl::InternalError("the forward pass returned no logits shape"));
@@ -441,7 +441,7 @@ int PrintForwardResult(const v1::ForwardResult& result, bool images, const std::
   }
   if (json) {
     nlohmann::json out = {{"loss", result.loss()}, {"tokens", result.tokens()}, {"shape", s}};
-    if (images && result.tokens() == 0) out["loss"] = nlohmann::json();  // no labels, no loss
+    if (result.tokens() == 0) out["loss"] = nlohmann::json();  // no labels, no loss
     out["logits"] = logits_path.empty() ? nlohmann::json() : nlohmann::json(logits_path);
     if (result.unread_tensor_count() > 0) {
       out["unread_tensors"] = std::vector<std::string>(result.unread_tensors().begin(), result.unread_tensors().end());
@@ -451,9 +451,14 @@ int PrintForwardResult(const v1::ForwardResult& result, bool images, const std::
     std::printf("%s\n", JsonText(out).c_str());
     return 0;
   }
-  if (!images) {
+  if (!images && labels) {  // a masked language model's
+    std::printf("loss %.6f (mean cross-entropy over %lld labelled positions)\n", result.loss(),
+                static_cast<long long>(result.tokens()));
+  } else if (!images && result.tokens() > 0) {
     std::printf("loss %.6f (mean next-token cross-entropy over %lld tokens)\n", result.loss(),
                 static_cast<long long>(result.tokens()));
+  } else if (!images) {
+    std::printf("no loss (a masked language model: --labels L.npy gives its masked positions' tokens)\n");
   } else if (result.tokens() > 0) {
     std::printf("loss %.6f (mean cross-entropy over %lld labelled images)\n", result.loss(),
                 static_cast<long long>(result.tokens()));

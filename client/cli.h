@@ -151,12 +151,13 @@ void PrintStep(const v1::StepProgress& step, int64_t steps, bool json);
 // else, with a --final DIR, that the model was written there.
 void PrintRunEnd(const std::string& final_dir, const std::string& checkpoint, int64_t steps, int64_t stop_after);
 // A forward pass's result as `forward` prints it (`images`: an image
-// classifier's, whose loss needs labels; `logits_path`: where the logits were
+// classifier's, whose loss needs labels; `labels`: labels were given, of
+// images or a masked language model's positions; `logits_path`: where the logits were
 // written, if anywhere; `writer`: the worker that wrote them on its machine,
 // on a cluster this machine may not be part of, else ""). Returns the exit
 // code.
-int PrintForwardResult(const v1::ForwardResult& result, bool images, const std::string& logits_path, bool json,
-                       const std::string& writer = "");
+int PrintForwardResult(const v1::ForwardResult& result, bool images, bool labels, const std::string& logits_path,
+                       bool json, const std::string& writer = "");
 
 // The program that runs the commands that compute in this process (a model
 // on this machine's GPUs, init-model, tokenize, consolidate): coloctl-run,

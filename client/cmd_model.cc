@@ -142,7 +142,7 @@ int RunForward(const std::vector<std::string>&) {
   if (ExplicitCoordinator().empty()) rank0_worker.clear();
   const std::string logits =
       rank0_worker.empty() || result.logits_path().empty() ? files->logits : result.logits_path();
-  return PrintForwardResult(result, files->images, logits, JsonOutput(), rank0_worker);
+  return PrintForwardResult(result, files->images, !files->labels.empty(), logits, JsonOutput(), rank0_worker);
 }
 
 // coloctl train against a cluster: submit, then print the steps as the
@@ -361,7 +361,10 @@ constexpr Command kCommands[] = {
      "              --input and, with --labels L.npy (integers [batch]), prints their mean\n"
      "              cross-entropy; its logits are [batch, num_labels]. An encoder-decoder (T5)\n"
      "              takes --decoder-input DEC.npy (integers [batch, seq]) beside --input; the\n"
-     "              logits and the next-token loss are over the decoder ids. --output json prints one\n"
+     "              logits and the next-token loss are over the decoder ids. A masked language\n"
+     "              model (BERT) has no next-token loss: with --labels L.npy (integers shaped as\n"
+     "              --input: the token each position predicts, -100 where none) it prints their\n"
+     "              mean cross-entropy, without them none. --output json prints one\n"
      "              JSON object with loss (null without labels), tokens, logits and shape.\n"
      "              --comm-timeout (local --device cuda runs,\n"
      "              default 60s): a rank that stops taking part in a collective fails the run\n"

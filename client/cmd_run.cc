@@ -109,7 +109,7 @@ int RunForwardOnGpus(const std::vector<std::string>&) {
   result.set_tokens(run->tokens);
   for (int64_t d : run->logits_shape) result.add_logits_shape(d);
   shardformer::SetUnreadTensors(run->unread_tensors, result);
-  return PrintForwardResult(result, files->images, files->logits, JsonOutput());
+  return PrintForwardResult(result, files->images, !files->labels.empty(), files->logits, JsonOutput());
 }
 
 // rank r on local GPU r over NCCL, as threads of this process; the spec is

@@ -50,7 +50,9 @@ ABSL_FLAG(std::string, data, "",
           "with --labels.");
 ABSL_FLAG(std::string, labels, "",
           "train, forward: an image classifier's integer labels as .npy, one per image ([N] for train's --data, "
-          "[batch] for forward's --pixel-values; -100: none); the loss is their cross-entropy. train: an "
+          "[batch] for forward's --pixel-values; -100: none); the loss is their cross-entropy. forward: a masked "
+          "language model's (BERT's) labels, integers shaped as --input (the token each position predicts, -100 "
+          "where it predicts none); the loss is their cross-entropy, and without them there is none. train: an "
           "encoder-decoder's (T5's) targets, token ids [N, target_len] as .npy, one row per input of --data (-100: "
           "none, e.g. after a target's end); the decoder reads them shifted right.");
 ABSL_FLAG(std::string, eval_data, "",
@@ -438,10 +440,8 @@ absl::StatusOr<ForwardFiles> ForwardFilesFromFlags() {
   if (f.input.empty()) {
     return absl::InvalidArgumentError("forward: --input (or --pixel-values for an image classifier) is required");
   }
-  if (!f.labels.empty() && !f.images) {
-    return absl::InvalidArgumentError(
-        "forward: --labels go with --pixel-values (a language model predicts its next tokens)");
-  }
+  // (--labels with --input: a masked language model's; ValidateJobSpec, or
+  // the run's own check, refuses them for another model.)
   return f;
 }
 

@@ -601,6 +601,11 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
                        "required for FORWARD jobs: token ids [batch, seq] (an image classifier's pixel values "
                        "[batch, channels, height, width]) as .npy");
       }
+      if (!spec.forward().labels_path().empty() && !config.takes_images() && !config.masked_lm()) {
+        return Invalid("spec.forward", "labels_path",
+                       absl::StrCat("is for image classifiers and masked language models (bert); a ", config.model_type,
+                                    " predicts its next tokens"));
+      }
       break;
     }
     case v1::JOB_KIND_TENSOR:

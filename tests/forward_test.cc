@@ -203,26 +203,40 @@ TEST_F(Forward, OptMatchesItsUnshardedReference) {
 
 // BERT (bidirectional, post-norm, the MLM head tied to the word table) in
 // 2D on 4 workers, 3D on 8 (q = 2) and with sequence parallelism: its
-// logits are the unsharded reference's, and its loss is the 1D run's.
+// logits are the unsharded reference's, and so is its loss against the
+// masked positions' labels (--labels). A masked language model has no
+// next-token loss: without labels there is none.
 TEST_F(Forward, BertIn2dAnd3dMatchesItsUnshardedReference) {
   auto bert = shardformer::testing::WriteTinyBert(TempPath("bert"));
   ASSERT_TRUE(bert.ok()) << bert.status();
-  auto ref = shardformer::testing::ReferenceBert(*bert, ids_, shardformer::testing::MaskedLabels(ids_));
+  const Tensor labels = shardformer::testing::MaskedLabels(ids_);
+  ASSERT_TRUE(WriteNpy(TempPath("bert_labels.npy"), labels).ok());
+  auto ref = shardformer::testing::ReferenceBert(*bert, ids_, labels);
   ASSERT_TRUE(ref.ok()) << ref.status();
-  std::vector<double> losses;
   for (const std::vector<std::string>& layout :
-       std::vector<std::vector<std::string>>{
-           {"--tp", "2", "--mode", "1d"}, {"--tp", "4", "--mode", "2d"}, {"--tp", "8", "--mode", "3d"},
-           {"--tp", "2", "--mode", "1d", "--sequence-parallel"}}) {
+       std::vector<std::vector<std::string>>{{"--tp", "2", "--mode", "1d", "--labels", TempPath("bert_labels.npy")},
+                                             {"--tp", "4", "--mode", "2d", "--labels", TempPath("bert_labels.npy")},
+                                             {"--tp", "8", "--mode", "3d", "--labels", TempPath("bert_labels.npy")},
+                                             {"--tp", "2", "--dp", "2", "--mode", "1d", "--sequence-parallel",
+                                              "--labels", TempPath("bert_labels.npy")}}) {
     const std::string what = absl::StrJoin(layout, " ");
     ForwardRun run;
     ASSERT_NO_FATAL_FAILURE(ForwardAt(bert->dir, layout, "bert_logits.npy", &run));
-    losses.push_back(run.out["loss"].get<double>());
+    EXPECT_NEAR(run.out["loss"].get<double>(), ref->loss, 1e-5 * ref->loss) << what;
+    EXPECT_EQ(run.out["tokens"].get<int64_t>(), ref->tokens) << what;
     ::colod::testing::ExpectAllClose(run.logits, ref->logits, "BERT logits " + what, 2e-4);
   }
-  EXPECT_NEAR(losses[1], losses[0], 1e-5 * losses[0]);
-  EXPECT_NEAR(losses[2], losses[0], 1e-5 * losses[0]);
-  EXPECT_NEAR(losses[3], losses[0], 1e-5 * losses[0]);
+  ForwardRun bare;
+  ASSERT_NO_FATAL_FAILURE(ForwardAt(bert->dir, {"--tp", "2"}, "bert_logits.npy", &bare));
+  EXPECT_TRUE(bare.out["loss"].is_null()) << bare.out;
+  EXPECT_EQ(bare.out["tokens"].get<int64_t>(), 0) << bare.out;
+  ::colod::testing::ExpectAllClose(bare.logits, ref->logits, "BERT logits without labels", 2e-4);
+  // Labels of another shape, or that predict nothing: refused by the run.
+  ASSERT_TRUE(WriteNpy(TempPath("bert_row_labels.npy"), *Tensor::FromInt64s({4}, {1, 2, 3, 4})).ok());
+  const auto shaped = Coloctl(
+      {"forward", "--model", bert->dir, "--input", TempPath("ids.npy"), "--labels", TempPath("bert_row_labels.npy")});
+  EXPECT_EQ(shaped.code, 1) << shaped.err;
+  EXPECT_NE(shaped.err.find("the labels must be integers shaped as the ids, [4, 8]"), std::string::npos) << shaped.err;
 }
 
 // BLOOM (6 heads: ALiBi's second series of slopes, 3 heads a rank) through
@@ -319,7 +333,9 @@ TEST_F(Forward, VitClassifiesImagesAsItsUnshardedReference) {
   const auto lm_labels = Coloctl({"forward", "--model", model_.dir, "--input", TempPath("ids.npy"), "--labels",
                                   TempPath("labels.npy")});
   EXPECT_EQ(lm_labels.code, 2);
-  EXPECT_NE(lm_labels.err.find("--labels go with --pixel-values"), std::string::npos) << lm_labels.err;
+  EXPECT_NE(lm_labels.err.find("spec.forward.labels_path: is for image classifiers and masked language models"),
+            std::string::npos)
+      << lm_labels.err;
 }
 
 // A T5 directory (flan-t5's shape: gated GELU, untied head, heads * d_kv

@@ -55,6 +55,30 @@ absl::Status CheckImages(const ForwardRequest& request, const ModelConfig& confi
   return absl::OkStatus();
 }
 
+// A masked language model's labels (BERT's): integers [batch, seq], each
+// the token its position predicts, or -100 where it predicts none.
+absl::Status CheckMaskedLabels(const ForwardRequest& request, const ModelConfig& config) {
+  if (!request.labels.has_value()) return absl::OkStatus();
+  const Tensor& labels = *request.labels;
+  if (labels.shape() != request.input.shape() || !IsInteger(labels.dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat("the labels must be integers shaped as the ids, ",
+                                                   ShapeToString(request.input.shape()), ", got ",
+                                                   DTypeName(labels.dtype()), " ", ShapeToString(labels.shape())));
+  }
+  ASSIGN_OR_RETURN(const std::vector<int64_t> v, labels.ReadInt64s());
+  bool any = false;
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (v[i] != -100 && (v[i] < 0 || v[i] >= config.vocab_size)) {
+      return absl::InvalidArgumentError(absl::StrCat("label ", v[i], " at position ", i % labels.shape()[1], " of row ",
+                                                     i / labels.shape()[1],
+                                                     " is neither -100 nor an id of the model's ", config.vocab_size));
+    }
+    any |= v[i] != -100;
+  }
+  if (!any) return absl::InvalidArgumentError("every label is -100: no position predicts a token");
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ModelConfig> CheckForward(const ForwardRequest& request) {
@@ -70,9 +94,17 @@ absl::StatusOr<ModelConfig> CheckForward(const ForwardRequest& request) {
       return absl::InvalidArgumentError(absl::StrCat("the input must be integer token ids [batch, seq], got ",
                                                      DTypeName(ids.dtype()), " ", ShapeToString(ids.shape())));
     }
-    if (ids.shape()[1] < 2) return absl::InvalidArgumentError("sequences need at least 2 tokens for a next-token loss");
-    if (request.labels.has_value()) {
-      return absl::InvalidArgumentError("labels are for image classifiers: a language model predicts its next tokens");
+    if (config.masked_lm()) {
+      RETURN_IF_ERROR(CheckMaskedLabels(request, config));
+    } else {
+      if (ids.shape()[1] < 2) {
+        return absl::InvalidArgumentError("sequences need at least 2 tokens for a next-token loss");
+      }
+      if (request.labels.has_value()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("labels are for image classifiers and masked language models: a ", config.model_type,
+                         " predicts its next tokens"));
+      }
     }
     if (config.is_encoder_decoder()) {
       if (!request.decoder_input.has_value()) {
@@ -128,6 +160,12 @@ absl::StatusOr<ForwardResult> ForwardRank(const ForwardRequest& request, Process
   LmLoss loss;
   if (decoder.has_value()) {
     ASSIGN_OR_RETURN(loss, model->NextTokenLoss(logits, *decoder));
+  } else if (model->config().masked_lm()) {  // a loss only against the labels of its masked positions
+    if (request.labels.has_value()) {
+      ASSIGN_OR_RETURN(Tensor labels, request.labels->Narrow(0, replica * rows, rows));
+      ASSIGN_OR_RETURN(const Tensor dense, labels.TryContiguous());
+      ASSIGN_OR_RETURN(loss, model->TokenLoss(logits, dense));
+    }
   } else if (!images) {
     ASSIGN_OR_RETURN(loss, model->NextTokenLoss(logits, mine));
   } else if (request.labels.has_value()) {
