@@ -37,6 +37,7 @@ absl::StatusOr<Communicator*> ProcessGroup::Comm(const std::string& axis) {
     auto it = comms_.find(axis);
     if (it != comms_.end()) return it->second.get();
     RETURN_IF_ERROR(abort_signal_->Check());
+    if (auto f = failed_.find(axis); f != failed_.end()) return f->second;
     creating_.insert(axis);
   }
   absl::StatusOr<std::unique_ptr<Communicator>> made = Make(axis);
@@ -45,7 +46,10 @@ absl::StatusOr<Communicator*> ProcessGroup::Comm(const std::string& axis) {
     absl::MutexLock lock(&mu_);
     creating_.erase(axis);
     made_cv_.SignalAll();
-    if (!made.ok()) return made.status();
+    if (!made.ok()) {
+      failed_.emplace(axis, made.status());
+      return made.status();
+    }
     raw = made->get();
     comms_.emplace(axis, *std::move(made));
   }

@@ -65,7 +65,8 @@ class ProcessGroup {
   // The communicator of this rank's group along `axis`. "AXIS#NAME" is
   // another communicator of the same groups, e.g. a pipeline's gradients
   // ("pp#back") on their own channel beside its activations ("pp"), so that
-  // a send one way never waits behind a send the other way.
+  // a send one way never waits behind a send the other way. Made at first
+  // use; one that could not be made is that error from then on.
   absl::StatusOr<Communicator*> Comm(const std::string& axis);
   // Creates the communicators of `axes` now, in order (all of the mesh's
   // axes, and "tp" where it is split, when empty). Collective.
@@ -109,6 +110,10 @@ class ProcessGroup {
   // timeout); `creating_` names the axes being made.
   std::map<std::string, std::unique_ptr<Communicator>> comms_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> creating_ ABSL_GUARDED_BY(mu_);
+  // Axes whose communicator could not be made, and why: a second rendezvous
+  // under the same keys would read the first one's peer addresses (dead or
+  // abandoned listeners) and wait out the timeout again.
+  std::map<std::string, absl::Status> failed_ ABSL_GUARDED_BY(mu_);
   absl::CondVar made_cv_;  // signalled when an axis leaves creating_
 };
 

@@ -5,6 +5,7 @@
 
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -39,6 +40,27 @@ TEST(ProcessGroup, AbortDoesNotWaitForACommunicatorBeingMade) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(2));
   // Later uses fail at once with the abort's reason.
   EXPECT_EQ((*pg)->Comm("tp").status().code(), absl::StatusCode::kCancelled);
+}
+
+// A communicator that could not be made is not made again: a second
+// rendezvous under the first one's keys would read its peers' stale
+// addresses and wait out the timeout once more. Every later use fails at
+// once with the first error; another axis is still made.
+TEST(ProcessGroup, ACommunicatorThatCouldNotBeMadeIsNotTriedAgain) {
+  int tries = 0;
+  ProcessGroup::CommFactory failing =
+      [&](const ProcessGroup::GroupInfo& g) -> absl::StatusOr<std::unique_ptr<Communicator>> {
+    ++tries;
+    return absl::DeadlineExceededError(absl::StrCat("rendezvous of ", g.axis, ": peers never came"));
+  };
+  auto pg = ProcessGroup::Create(TpDpMesh(2, 2), 0, failing, absl::Seconds(60), std::make_shared<AbortSignal>());
+  ASSERT_TRUE(pg.ok()) << pg.status();
+  const absl::Status first = (*pg)->Comm("tp").status();
+  EXPECT_EQ(first.code(), absl::StatusCode::kDeadlineExceeded) << first;
+  EXPECT_EQ((*pg)->Comm("tp").status(), first);
+  EXPECT_EQ(tries, 1);
+  EXPECT_EQ((*pg)->Comm("dp").status().message(), "rendezvous of dp: peers never came");
+  EXPECT_EQ(tries, 2);
 }
 
 }  // namespace

@@ -2,13 +2,14 @@
 // real Gloo ranks (threads on loopback) where one rank stops taking part.
 #include "worker/comm/flight_recorder.h"
 
+#include <limits>
 #include <thread>
 #include <vector>
 
 #include "absl/time/clock.h"
+#include "common/rendezvous_store.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "common/rendezvous_store.h"
 #include "worker/comm/gloo/gloo_communicator.h"
 #include "worker/comm/instrumented_communicator.h"
 #include "worker/comm/store.h"
@@ -79,6 +80,18 @@ TEST(FlightRecorder, RecordsWhatAGlooRankIsStuckIn) {
   }
   for (auto& t : threads) t.join();
   ASSERT_TRUE(comms[0] && comms[1]);
+  // A count the backend refuses (negative, or past int64 as bytes: count x
+  // ranks x 4) is neither counted nor recorded, nor multiplied past int64.
+  auto* observed = static_cast<InstrumentedCommunicator*>(comms[0].get());
+  const int64_t huge = std::numeric_limits<int64_t>::max() / 2;
+  EXPECT_EQ(comms[0]->ReduceScatter(nullptr, nullptr, huge, DType::kF32, ReduceOp::kSum)->Wait(absl::Seconds(5)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(comms[0]->AllReduce(nullptr, -4, DType::kF32, ReduceOp::kSum)->Wait(absl::Seconds(5)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(observed->Stats("reduce_scatter").calls, 0);
+  EXPECT_EQ(observed->Stats("all_reduce").calls, 1);
+  EXPECT_EQ(observed->Stats("all_reduce").bytes, 32);
+  EXPECT_EQ(rec[0]->Entries().size(), 1u);
   std::vector<float> x(8, 1.0f);
   std::shared_ptr<Work> stuck = comms[0]->AllReduce(x.data(), 8, DType::kF32, ReduceOp::kSum);
   absl::SleepFor(absl::Milliseconds(300));

@@ -1,6 +1,7 @@
 #include "worker/comm/instrumented_communicator.h"
 
 #include "absl/time/clock.h"
+#include "common/int_math.h"
 
 namespace colod {
 namespace {
@@ -56,9 +57,13 @@ class ObservedWork final : public Work, public std::enable_shared_from_this<Obse
 
 }  // namespace
 
-std::shared_ptr<Work> InstrumentedCommunicator::Observe(const char* op, int64_t elements, DType dtype,
+std::shared_ptr<Work> InstrumentedCommunicator::Observe(const char* op, int64_t count, int64_t copies, DType dtype,
                                                         const std::function<std::shared_ptr<Work>()>& submit) {
-  const int64_t bytes = elements * static_cast<int64_t>(SizeOf(dtype));
+  const std::optional<int64_t> elements = count >= 0 ? CheckedMul(count, copies) : std::nullopt;
+  const std::optional<int64_t> counted =
+      elements.has_value() ? CheckedMul(*elements, static_cast<int64_t>(SizeOf(dtype))) : std::nullopt;
+  if (!counted.has_value()) return submit();  // refused by the backend (CheckCollectiveCount): nothing moves
+  const int64_t bytes = *counted;
   {
     absl::MutexLock lock(&mu_);
     OpStats& s = stats_[op];
@@ -117,38 +122,38 @@ std::map<std::string, InstrumentedCommunicator::OpStats> InstrumentedCommunicato
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::AllReduce(void* data, int64_t count, DType dtype, ReduceOp op) {
-  return Observe("all_reduce", count, dtype, [&] { return inner_->AllReduce(data, count, dtype, op); });
+  return Observe("all_reduce", count, 1, dtype, [&] { return inner_->AllReduce(data, count, dtype, op); });
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::AllGather(const void* in, void* out, int64_t count, DType dtype) {
-  return Observe("all_gather", count, dtype, [&] { return inner_->AllGather(in, out, count, dtype); });
+  return Observe("all_gather", count, 1, dtype, [&] { return inner_->AllGather(in, out, count, dtype); });
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::ReduceScatter(const void* in, void* out, int64_t count, DType dtype,
                                                               ReduceOp op) {
-  return Observe("reduce_scatter", count * size(), dtype,
+  return Observe("reduce_scatter", count, size(), dtype,
                  [&] { return inner_->ReduceScatter(in, out, count, dtype, op); });
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::Broadcast(void* data, int64_t count, DType dtype, int root) {
-  return Observe("broadcast", count, dtype, [&] { return inner_->Broadcast(data, count, dtype, root); });
+  return Observe("broadcast", count, 1, dtype, [&] { return inner_->Broadcast(data, count, dtype, root); });
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::AllToAll(const void* in, void* out, int64_t count, DType dtype) {
-  return Observe("all_to_all", count * size(), dtype, [&] { return inner_->AllToAll(in, out, count, dtype); });
+  return Observe("all_to_all", count, size(), dtype, [&] { return inner_->AllToAll(in, out, count, dtype); });
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::Send(const void* data, int64_t count, DType dtype, int dst,
                                                      uint32_t tag) {
-  return Observe("send", count, dtype, [&] { return inner_->Send(data, count, dtype, dst, tag); });
+  return Observe("send", count, 1, dtype, [&] { return inner_->Send(data, count, dtype, dst, tag); });
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::Recv(void* data, int64_t count, DType dtype, int src, uint32_t tag) {
-  return Observe("recv", count, dtype, [&] { return inner_->Recv(data, count, dtype, src, tag); });
+  return Observe("recv", count, 1, dtype, [&] { return inner_->Recv(data, count, dtype, src, tag); });
 }
 
 std::shared_ptr<Work> InstrumentedCommunicator::Barrier() {
-  return Observe("barrier", 0, DType::kF32, [&] { return inner_->Barrier(); });
+  return Observe("barrier", 0, 1, DType::kF32, [&] { return inner_->Barrier(); });
 }
 
 }  // namespace colod

@@ -74,9 +74,11 @@ class InstrumentedCommunicator final : public Communicator {
   // Reports the deferred works that have completed.
   void Sweep();
 
-  // Counts the op, records it, submits it (`submit`: the backend's call)
-  // and wraps its work for the observer.
-  std::shared_ptr<Work> Observe(const char* op, int64_t elements, DType dtype,
+  // Counts the op (`count` elements, `copies` times), records it, submits
+  // it (`submit`: the backend's call) and wraps its work for the observer.
+  // A count the backend refuses (negative, or overflowing as bytes) is
+  // submitted uncounted: the backend's work carries its error.
+  std::shared_ptr<Work> Observe(const char* op, int64_t count, int64_t copies, DType dtype,
                                 const std::function<std::shared_ptr<Work>()>& submit);
 
   const std::unique_ptr<Communicator> inner_;

@@ -1,5 +1,6 @@
 #include "worker/comm/store.h"
 
+#include <openssl/evp.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,8 +18,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/atomic_file.h"
-#include "common/status_macros.h"
 #include "common/rendezvous_store.h"
+#include "common/status_macros.h"
 
 namespace colod {
 namespace {
@@ -65,8 +66,18 @@ absl::StatusOr<std::unique_ptr<FileStore>> FileStore::Open(const std::string& di
 }
 
 std::string FileStore::PathOf(absl::string_view key) const {
-  // Hex keeps any key (slashes, dots, bytes) a flat, valid file name.
-  return absl::StrCat(dir_, "/", absl::BytesToHexString(key));
+  // Hex keeps any key (slashes, dots, bytes) a flat, valid file name. A
+  // long key's hex (Gloo's name the group's ranks) would pass NAME_MAX (255,
+  // with WriteFileAtomically's ".tmp.PID.N"): its SHA-256 names it then,
+  // a name no hex key has.
+  constexpr size_t kMaxHexName = 160;
+  std::string hex = absl::BytesToHexString(key);
+  if (hex.size() <= kMaxHexName) return absl::StrCat(dir_, "/", hex);
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int length = 0;
+  EVP_Digest(key.data(), key.size(), digest, &length, EVP_sha256(), nullptr);
+  return absl::StrCat(dir_, "/sha256-",
+                      absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(digest), length)));
 }
 
 absl::Status FileStore::Set(absl::string_view key, std::string value) {

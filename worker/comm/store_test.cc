@@ -13,6 +13,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/rendezvous_store.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
@@ -233,6 +234,26 @@ TEST(CoordinatorStore, AFullStoreIsAskedAgainUntilThereIsRoom) {
   ASSERT_TRUE(other_job.Set("big", "small now").ok());  // room again
   rank.join();
   EXPECT_TRUE(set.ok()) << set;
+}
+
+// Keys as long as a store takes (Gloo's name a group's ranks: 30 ranks'
+// pass 115 bytes, whose hex and a temporary's suffix would pass NAME_MAX)
+// are set, read and waited for, each its own.
+TEST(FileStore, KeysAsLongAsAStoreTakesAreTheirOwn) {
+  auto store = FileStore::Open(testing::TempPath("filestore-long"));
+  ASSERT_TRUE(store.ok()) << store.status();
+  const std::string a(RendezvousStore::kMaxKeyBytes, 'a');
+  std::string b = a;
+  b.back() = 'b';
+  const std::string mid(120, '/');
+  for (const auto& [key, value] : std::vector<std::pair<std::string, std::string>>{{a, "A"}, {b, "B"}, {mid, "M"}}) {
+    ASSERT_TRUE((*store)->Set(key, value).ok()) << key.size();
+  }
+  EXPECT_EQ(*(*store)->Get(a), "A");
+  EXPECT_EQ(*(*store)->Get(b), "B");
+  EXPECT_EQ(*(*store)->Get(mid), "M");
+  auto waited = (*store)->Wait({a, b}, absl::Seconds(5));
+  EXPECT_TRUE(waited.ok()) << waited.status();
 }
 
 TEST(FileStore, RefusesAnUncreatableDirectory) {

@@ -668,6 +668,13 @@ std::shared_ptr<Work> GlooCommunicator::ReduceScatter(const void* in, void* out,
                                      ToMillis(options_.timeout), static_cast<size_t>(count), SizeOf(dtype),
                                      ReduceFunction(dtype, op)};
     gloo_algorithms::RingReduceScatter(call, in, out, Scratch(2 * chunk));
+    // Kept for the next call only while small (ZeRO 2's buckets): a large
+    // one (a tensor job's reshard of gigabytes) would otherwise stay held,
+    // unseen by the worker's memory budget, until the job ends.
+    if (scratch_bytes_ > kKeptScratchBytes) {
+      scratch_.reset();
+      scratch_bytes_ = 0;
+    }
     if (op == ReduceOp::kAvg) DivideInPlace(out, count, dtype, size_);
   });
 }

@@ -120,6 +120,8 @@ class GlooCommunicator final : public Communicator {
   // ReduceScatter's running sum and incoming chunk, and the two-rank
   // exchange's incoming buffer, kept between calls so that each call does
   // not fault in fresh pages; only the communicator thread touches them.
+  // What a ReduceScatter's scratch may stay after it (released above).
+  static constexpr size_t kKeptScratchBytes = size_t{64} << 20;
   std::unique_ptr<char[]> scratch_;
   size_t scratch_bytes_ = 0;
 
