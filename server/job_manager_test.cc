@@ -412,6 +412,14 @@ TEST(ValidateJobSpec, RejectsBadFieldsByName) {
   s = TrainSpec();
   s.mutable_train()->set_mask_token_id(3);
   ExpectInvalid(s, "spec.train.mask_token_id: is for a masked language model (bert); a gpt2 predicts its next");
+  // fp16 trains only with loss scaling, which colod lacks; an evaluation
+  // computes no gradient.
+  s = TrainSpec();
+  s.mutable_train()->set_precision(v1::PRECISION_FP16_MIXED);
+  ExpectInvalid(s, "spec.train.precision: fp16 mixed precision is not trained: it needs loss scaling");
+  s.mutable_train()->set_eval_only(true);
+  s.mutable_train()->set_eval_split(0.1);
+  EXPECT_TRUE(ValidateJobSpec(s).ok()) << ValidateJobSpec(s);
 }
 
 TEST(JobManager, SubmitGetListCancel) {

@@ -68,10 +68,14 @@ absl::StatusOr<v1::MeshSpec> AssignRanks(const DeviceMesh& mesh, const std::vect
 
 absl::StatusOr<PlacementDecision> PlaceJob(const DeviceMesh& mesh, int64_t memory_need,
                                            const std::vector<v1::Worker>& live,
-                                           const std::set<std::string>& unavailable) {
+                                           const std::set<std::string>& unavailable, bool masked_lm) {
   std::vector<v1::WorkerInfo> cpu, cuda;  // idle candidates
-  int registered_cpu = 0, registered_cuda = 0, too_small = 0;
+  int registered_cpu = 0, registered_cuda = 0, too_small = 0, too_old = 0;
   for (const v1::Worker& w : live) {
+    if (masked_lm && !w.info().trains_masked_lm()) {  // an older worker would train it on next tokens
+      ++too_old;
+      continue;
+    }
     if (memory_need > 0 && w.info().memory_bytes() > 0 && w.info().memory_bytes() < memory_need) {
       ++too_small;
       continue;
@@ -95,9 +99,13 @@ absl::StatusOr<PlacementDecision> PlaceJob(const DeviceMesh& mesh, int64_t memor
   const std::string memory =
       too_small > 0 ? absl::StrCat(" with ", GiB(memory_need), " of memory") : std::string();
   d.waiting = absl::StrCat("waiting for workers: needs ", world, " workers of one device kind", memory, "; ",
-                           registered_cpu + registered_cuda, " registered", memory.empty() ? "" : " that have it",
-                           " (", registered_cpu, " cpu, ", registered_cuda, " cuda), ", cpu.size() + cuda.size(),
-                           " idle", too_small > 0 ? absl::StrCat("; ", too_small, " more with less memory") : "",
+                           registered_cpu + registered_cuda, " registered", memory.empty() ? "" : " that have it", " (",
+                           registered_cpu, " cpu, ", registered_cuda, " cuda), ", cpu.size() + cuda.size(), " idle",
+                           too_small > 0 ? absl::StrCat("; ", too_small, " more with less memory") : "",
+                           too_old > 0 ? absl::StrCat("; ", too_old,
+                                                      " more of an older colod, which trains no "
+                                                      "masked language model (upgrade them)")
+                                       : "",
                            d.fits_cluster ? "" : "; jobs behind it that fit run first");
   return d;
 }

@@ -51,11 +51,13 @@ struct PlacementDecision {
 // itself) are registered candidates; of those, the ones not BUSY and not in
 // `unavailable` (holding a rank, sitting out a refusal, taken earlier in the
 // pass) are idle. The job takes idle CUDA workers if there are enough of
-// them, else idle CPU ones (AssignRanks), else waits. Errors other than
+// them, else idle CPU ones (AssignRanks), else waits. With `masked_lm` (a
+// job that trains a masked language model) only workers that say they
+// train one (WorkerInfo.trains_masked_lm) are candidates. Errors other than
 // too few workers (a mesh AssignRanks cannot lay out) are returned.
 absl::StatusOr<PlacementDecision> PlaceJob(const DeviceMesh& mesh, int64_t memory_need,
                                            const std::vector<v1::Worker>& live,
-                                           const std::set<std::string>& unavailable);
+                                           const std::set<std::string>& unavailable, bool masked_lm = false);
 
 }  // namespace colod
 

@@ -175,5 +175,30 @@ TEST(PlaceJob, ChoosesADeviceKindFiltersAndSaysWhyAJobWaits) {
   }
 }
 
+// A job that trains a masked language model goes only to workers that say
+// they train one: an older worker would drop TrainConfig.mask_token_id and
+// train the model on next tokens, its replica's gradients of another loss.
+TEST(PlaceJob, AMaskedLanguageModelGoesOnlyToWorkersThatTrainOne) {
+  std::vector<v1::Worker> live = {Live("c0", "cpu"), Live("c1", "cpu"), Live("c2", "cpu")};
+  live[0].mutable_info()->set_trains_masked_lm(true);
+  live[2].mutable_info()->set_trains_masked_lm(true);
+  auto d = PlaceJob(Mesh(1, 2), 0, live, {}, /*masked_lm=*/true);
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_TRUE(d->placed.has_value()) << d->waiting;
+  std::vector<std::string> got = Ids(*d->placed);
+  std::sort(got.begin(), got.end());
+  EXPECT_EQ(got, (std::vector<std::string>{"c0", "c2"}));
+  live[2].mutable_info()->set_trains_masked_lm(false);
+  d = PlaceJob(Mesh(1, 2), 0, live, {}, /*masked_lm=*/true);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_FALSE(d->placed.has_value());
+  EXPECT_EQ(d->waiting,
+            "waiting for workers: needs 2 workers of one device kind; 1 registered (1 cpu, 0 cuda), 1 idle; 2 more of "
+            "an older colod, which trains no masked language model (upgrade them); jobs behind it that fit run first");
+  // Another job takes any of them.
+  d = PlaceJob(Mesh(1, 3), 0, live, {});
+  ASSERT_TRUE(d.ok() && d->placed.has_value());
+}
+
 }  // namespace
 }  // namespace colod

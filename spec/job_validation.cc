@@ -179,7 +179,9 @@ absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shar
   }
   if (!v1::Optimizer_IsValid(t.optimizer())) return Invalid(path, "optimizer", "unknown value");
   if (!v1::Precision_IsValid(t.precision())) return Invalid(path, "precision", "unknown value");
-  if (t.precision() == v1::PRECISION_FP16_MIXED) return Invalid(path, "precision", kFp16TrainingRefused);
+  if (t.precision() == v1::PRECISION_FP16_MIXED && !t.eval_only()) {  // (an evaluation has no gradients)
+    return Invalid(path, "precision", kFp16TrainingRefused);
+  }
   if (!v1::Recompute_IsValid(t.recompute())) return Invalid(path, "recompute", "unknown value");
   if (absl::Status format = CheckDataFormat(t.data_format()); !format.ok()) {
     return Invalid(path, "data_format", format.message());

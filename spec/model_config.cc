@@ -180,6 +180,7 @@ absl::Status ParseBertConfig(const Json& j, const std::string& what, ModelConfig
   ASSIGN_OR_RETURN(c.norm_eps, Num(j, what, "layer_norm_eps", 1e-12));
   ASSIGN_OR_RETURN(c.activation, Str(j, "hidden_act", "gelu"));
   c.num_kv_heads = c.num_heads;
+  c.sees_every_position = true;
   RETURN_IF_ERROR(OnlyAs(j, what, "tie_word_embeddings", true,
                          "colod's BERT decoder is the word embedding (BertForMaskedLM ties them)"));
   c.tie_word_embeddings = true;

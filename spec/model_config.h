@@ -58,6 +58,10 @@ struct ModelConfig {
   // target left out (-100) when training (both 0 in the published configs).
   int64_t decoder_start_token_id = 0;
   int64_t pad_token_id = 0;
+  // BERT: the attention sees every position (not causal), so the model
+  // trains as a masked language model. Set by the parse of the family's
+  // config, so that a family registered on BERT's (renamed) keeps it.
+  bool sees_every_position = false;
   std::string json;  // the config.json text it was parsed from
 
   int64_t head_dim() const { return kv_dim > 0 ? kv_dim : num_heads == 0 ? 0 : hidden_size / num_heads; }
@@ -67,7 +71,7 @@ struct ModelConfig {
   bool takes_images() const { return image_size > 0; }
   // Whether the model sees every position (BERT), so that it trains as a
   // masked language model (TrainSpec.mask_token_id), not on next tokens.
-  bool masked_lm() const { return model_type == "bert"; }
+  bool masked_lm() const { return sees_every_position; }
   // Whether queries and keys are rotated (RoPE: LLaMA) before the attention.
   bool rotary() const { return model_type == "llama"; }
   // Whether q, k and v come out of one fused projection, the attention

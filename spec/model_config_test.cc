@@ -48,6 +48,9 @@ TEST(ModelConfig, ParsesGpt2LlamaAndBert) {
       "position_embedding_type":"absolute","tie_word_embeddings":true})");
   ASSERT_TRUE(bert.ok()) << bert.status();
   EXPECT_EQ(bert->norm_eps, 1e-12);
+  // BERT sees every position: a masked language model; the causal LMs not.
+  EXPECT_TRUE(bert->masked_lm());
+  EXPECT_FALSE(llama->masked_lm());
 }
 
 // Parameter counts against the published ones (transformers'

@@ -454,7 +454,7 @@ absl::Status SaveTrainingCheckpoint(shardformer::ShardedModel& model, Optimizer&
 absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*>& chunks, Optimizer& optimizer,
                                     const std::string& dir, int64_t step, uint64_t seed,
                                     std::optional<double> eval_loss, const CheckpointWriter& writer,
-                                    const std::string& report) {
+                                    const std::string& report, std::optional<int64_t> mask_token_id) {
   if (chunks.empty()) return absl::InvalidArgumentError("a checkpoint of no model chunk");
   RETURN_IF_ERROR(writer.Check());
   shardformer::ShardedModel& model = *chunks.front();
@@ -532,6 +532,7 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
               {"layout", LayoutJson(model.shard_config().layout)},
               {"param_dtype", std::string(DTypeName(model.shard_config().param_dtype))}};
     if (eval_loss.has_value() && std::isfinite(*eval_loss)) j["eval_loss"] = *eval_loss;
+    if (mask_token_id.has_value()) j["mask_token_id"] = *mask_token_id;
     if (!writer.job.empty()) j["job"] = writer.job;
     if (!writer.lineage.empty()) j["lineage"] = writer.lineage;
     if (writer.generation > 0) j["generation"] = writer.generation;
@@ -817,6 +818,12 @@ absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint) {
     if (!dtype.ok())
       return absl::InvalidArgumentError(absl::StrCat(where, ": param_dtype: ", dtype.status().message()));
     r.param_dtype = *dtype;
+  }
+  if (state.contains("mask_token_id")) {
+    if (!state["mask_token_id"].is_number_integer() || state["mask_token_id"].get<int64_t>() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": mask_token_id: not a token id"));
+    }
+    r.mask_token_id = state["mask_token_id"].get<int64_t>();
   }
   return r;
 }

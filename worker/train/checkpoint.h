@@ -124,11 +124,13 @@ absl::Status SaveTrainingCheckpoint(shardformer::ShardedModel& model, Optimizer&
 // first, whose parameters `optimizer` takes together. `report` (a JSON
 // object's text, if given): what rank 0 reported of the step, kept in
 // train_state.json so that a restart can report it again
-// (Resumed::report).
+// (Resumed::report). `mask_token_id`: a masked language model's, recorded
+// so that a resume masks as the run did (Resumed::mask_token_id).
 absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*>& chunks, Optimizer& optimizer,
                                     const std::string& dir, int64_t step, uint64_t seed,
-                                    std::optional<double> eval_loss = std::nullopt,
-                                    const CheckpointWriter& writer = {}, const std::string& report = "");
+                                    std::optional<double> eval_loss = std::nullopt, const CheckpointWriter& writer = {},
+                                    const std::string& report = "",
+                                    std::optional<int64_t> mask_token_id = std::nullopt);
 
 // A worker's path policy (--allow-path: PathPolicy::Check) for what a
 // directory a job names holds: PERMISSION_DENIED for a path that resolves
@@ -224,6 +226,10 @@ struct Resumed {
   // The parameters' dtype it was trained with (F32, or BF16/F16 under mixed
   // precision); none in a checkpoint of before 2026-12.
   std::optional<DType> param_dtype;
+  // A masked language model's [MASK] id it trained with; none for another
+  // model, and in a checkpoint of before 2026-12-07 (a BERT then trained on
+  // next tokens).
+  std::optional<int64_t> mask_token_id;
 };
 // The step, seed and writer a checkpoint records.
 absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint);

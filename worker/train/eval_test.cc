@@ -10,11 +10,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/device.h"
 #include "tests/testing/temp_dir.h"
-#include "worker/tensor/npy.h"
 #include "worker/shardformer/testing.h"
+#include "worker/tensor/npy.h"
 #include "worker/train/train_testing.h"
 #include "worker/train/trainer.h"
 
@@ -150,6 +151,38 @@ TEST(Eval, AMaskedLanguageModelIsEvaluatedOnItsMaskedPositions) {
   const absl::Status refused = Train(bare, [](const StepStats&) {});
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
   EXPECT_NE(refused.message().find("masked language model, which needs mask_token_id"), std::string::npos) << refused;
+}
+
+// A masked language model's training resumes masking as the uninterrupted
+// run masks (the draws are the step's and the row's): the resumed steps'
+// losses are the whole run's, bitwise. The checkpoint records its
+// [MASK] id; a resume that asks for another is refused, naming both.
+TEST(Eval, AMaskedLanguageModelResumesMaskingAsItDid) {
+  auto model = shardformer::testing::WriteTinyBert(TempPath("resume_bert"), TinyByteLevel());
+  ASSERT_TRUE(model.ok()) << model.status();
+  TrainOptions full = testing::SmallRun(model->dir, 1, 1, 4);
+  ASSERT_TRUE(full.mask_token_id.has_value());
+  full.seq_len = 16;
+  const std::vector<StepStats> want = Losses(full);
+  ASSERT_EQ(want.size(), 4u);
+  TrainOptions cut = full;
+  cut.save_dir = TempPath("resume_bert_ck");
+  cut.stop_after = 2;
+  ASSERT_EQ(Losses(cut).size(), 2u);
+  TrainOptions other = full;
+  other.resume_dir = cut.save_dir;
+  other.mask_token_id = *full.mask_token_id - 1;
+  const absl::Status refused = Train(other, [](const StepStats&) {});
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find(absl::StrCat("trained with mask_token_id ", *full.mask_token_id,
+                                                ", this run asks for ", *full.mask_token_id - 1)),
+            std::string::npos)
+      << refused;
+  TrainOptions resumed = full;
+  resumed.resume_dir = cut.save_dir;
+  const std::vector<StepStats> rest = Losses(resumed);
+  ASSERT_EQ(rest.size(), 2u);
+  for (size_t i = 0; i < rest.size(); ++i) EXPECT_EQ(rest[i].loss, want[i + 2].loss) << "step " << i + 3;
 }
 
 // The default evaluation reads the held-out windows once, even where they

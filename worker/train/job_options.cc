@@ -56,8 +56,11 @@ absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const
     case v1::PRECISION_BF16_MIXED:
       o.shard.param_dtype = DType::kBF16;
       break;
-    case v1::PRECISION_FP16_MIXED:
-      return absl::InvalidArgumentError(absl::StrCat("spec.train.precision: ", kFp16TrainingRefused));
+    case v1::PRECISION_FP16_MIXED:  // evaluated only: it trains nothing, so needs no loss scaling
+      if (!t.eval_only())
+        return absl::InvalidArgumentError(absl::StrCat("spec.train.precision: ", kFp16TrainingRefused));
+      o.shard.param_dtype = DType::kF16;
+      break;
     default:
       return absl::InvalidArgumentError(absl::StrCat("spec.train.precision: unknown value ", t.precision()));
   }

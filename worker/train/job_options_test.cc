@@ -29,12 +29,18 @@ TEST(JobOptions, AnUnspecifiedPrecisionIsTheDevicesDefault) {
       EXPECT_EQ(o->shard.param_dtype, dtype) << precision << " cuda " << cuda;
     }
   }
-  // fp16 is refused, on every device: it trains only with loss scaling.
+  // fp16 is refused, on every device: it trains only with loss scaling. An
+  // evaluation (no gradients) takes it.
   spec.mutable_train()->set_precision(v1::PRECISION_FP16_MIXED);
   for (bool cuda : {false, true}) {
     const absl::Status fp16 = TrainOptionsFromSpec(spec, "/m", cuda).status();
     EXPECT_EQ(fp16.code(), absl::StatusCode::kInvalidArgument) << fp16;
     EXPECT_NE(fp16.message().find("it needs loss scaling"), std::string::npos) << fp16;
+    spec.mutable_train()->set_eval_only(true);
+    absl::StatusOr<TrainOptions> eval = TrainOptionsFromSpec(spec, "/m", cuda);
+    ASSERT_TRUE(eval.ok()) << eval.status();
+    EXPECT_EQ(eval->shard.param_dtype, DType::kF16);
+    spec.mutable_train()->set_eval_only(false);
   }
   spec.mutable_train()->set_precision(static_cast<v1::Precision>(99));
   EXPECT_EQ(TrainOptionsFromSpec(spec, "/m", true).status().code(), absl::StatusCode::kInvalidArgument);

@@ -249,7 +249,9 @@ absl::StatusOr<std::unique_ptr<TrainData>> SampleSource(const Source& s, int64_t
 int64_t TrainStepLabels(const TrainData& data, int64_t step) {
   const int64_t labelled = data.Labelled(step);
   if (labelled > 0) return labelled;
-  COLOD_LOG(WARNING) << "every example step " << step + 1 << " drew is labelled -100: its loss and gradients are 0";
+  COLOD_LOG(WARNING) << "step " << step + 1 << " has no labelled position (every example it drew is labelled "
+                     << "-100, or a masked language model's draw masked none of its positions): its loss and "
+                     << "gradients are 0";
   return 1;
 }
 
@@ -350,7 +352,7 @@ absl::Status CheckFinalDir(const TrainOptions& o) {
 
 absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOptions& o) {
   if (o.steps < 1 || o.micro_batches < 1) return absl::InvalidArgumentError("steps and micro_batches must be >= 1");
-  if (o.shard.param_dtype == DType::kF16) return absl::InvalidArgumentError(kFp16TrainingRefused);
+  if (o.shard.param_dtype == DType::kF16 && !o.eval_only) return absl::InvalidArgumentError(kFp16TrainingRefused);
   if (o.grad_accum < 1 || o.grad_accum > kMaxGradAccum) {
     return absl::InvalidArgumentError(
         absl::StrCat("grad_accum ", o.grad_accum, " is not in [1, ", kMaxGradAccum, "]"));
@@ -496,7 +498,21 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
                       << " (auto; this device's default is " << PrecisionName(o.shard.param_dtype) << ")";
       run->options.shard.param_dtype = *state.param_dtype;
     }
-    if (run->options.shard.param_dtype == DType::kF16) {  // a checkpoint of an older colod
+    // The masking goes on as it was: another [MASK] id would predict
+    // another token at the positions the run learned on.
+    if (state.mask_token_id.has_value() && state.mask_token_id != o.mask_token_id) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the checkpoint to resume from, ", run->resume, ", trained with mask_token_id ", *state.mask_token_id,
+          ", this run asks for ", o.mask_token_id.has_value() ? absl::StrCat(*o.mask_token_id) : std::string("none"),
+          ": resume with ", *state.mask_token_id, ", or start a run from its model (`coloctl consolidate --checkpoint ",
+          run->resume, " --out DIR`)"));
+    }
+    if (o.mask_token_id.has_value() && !state.mask_token_id.has_value()) {
+      COLOD_LOG(WARNING) << "resuming " << run->resume << ", which records no mask_token_id: written by a colod that "
+                         << "trained " << config.model_type << " on next tokens, it now trains as a masked language "
+                         << "model";
+    }
+    if (run->options.shard.param_dtype == DType::kF16 && !o.eval_only) {  // a checkpoint of an older colod
       return absl::InvalidArgumentError(absl::StrCat("the checkpoint to resume from, ", run->resume,
                                                      ", was trained in fp16: ", kFp16TrainingRefused,
                                                      " (start a run from its model: `coloctl consolidate "
@@ -615,8 +631,11 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
     eval.labels = *sum;
   }
   if (eval.labels == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("the evaluation's ", eval.steps, " batches hold no labelled "
-                                                   "position (every label is -100)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the evaluation's ", eval.steps, " batches hold no labelled position ",
+        masked.has_value() ? "(a masked language model's draw masked none of their positions, 15 % of each: give "
+                             "the evaluation more with seq_len, batch_size or eval_steps)"
+                           : "(every label is -100)"));
   }
   run->eval = std::move(eval);
   return std::shared_ptr<const PreparedTrain>(std::move(run));
@@ -1061,7 +1080,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       const absl::Status saved =
           SaveTrainingCheckpoint(chunks, optimizer, o.save_dir, step + 1, run.seed,
                                  s.eval.has_value() ? std::optional<double>(s.eval->loss) : std::nullopt, run.writer,
-                                 rank == 0 ? StepReportJson(s) : "");
+                                 rank == 0 ? StepReportJson(s) : "", o.mask_token_id);
       if (!saved.ok()) {
         // The step trained, and its checkpoint may be whole on disk all the
         // same (rank 0 renames it into place before the save's last agreement,
