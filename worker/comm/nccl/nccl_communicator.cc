@@ -630,11 +630,17 @@ std::shared_ptr<Work> NcclCommunicator::SendRecv(const void* send, int dst, void
   if (absl::Status s = CheckCollectiveCount("nccl SendRecv", count, dtype, 1); !s.ok()) {
     return std::make_shared<NcclWork>(this, "SendRecv", nullptr, s);
   }
-  // (Grouped, a send to oneself meets its receive.)
+  // (Grouped, a send to oneself meets its receive: both ends or neither.)
   for (const int peer : {dst, src}) {
     if (absl::Status s = CheckPeer("SendRecv", peer, rank_, size_, /*self=*/true); !s.ok()) {
       return std::make_shared<NcclWork>(this, "SendRecv", nullptr, s);
     }
+  }
+  if ((dst == rank_) != (src == rank_)) {
+    return std::make_shared<NcclWork>(
+        this, "SendRecv", nullptr,
+        absl::InvalidArgumentError(absl::StrCat("nccl SendRecv: a send to rank ", dst, " and a receive from rank ", src,
+                                                ": to oneself both or neither (the other would wait forever)")));
   }
   return Enqueue("SendRecv", [&](ncclComm_t comm) -> absl::Status {
     NCCL_RETURN_IF_ERROR(ncclGroupStart());
