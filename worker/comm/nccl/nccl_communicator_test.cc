@@ -296,6 +296,8 @@ TEST_F(NcclRanks, SendRecvExchangesWithoutDeadlock) {
       EXPECT_EQ(recv.code(), absl::StatusCode::kInvalidArgument) << bad << ": " << recv;
     }
     EXPECT_EQ(comm.SendRecv(out, 2, in, peer, 2, DType::kF32)->Wait(kWait).code(), absl::StatusCode::kInvalidArgument);
+    // Oneself one way only: the other end would wait forever.
+    EXPECT_EQ(comm.SendRecv(out, r, in, peer, 2, DType::kF32)->Wait(kWait).code(), absl::StatusCode::kInvalidArgument);
     ASSERT_TRUE(comm.AsyncError().ok()) << comm.AsyncError();
     // Both ranks send first: only a grouped exchange completes.
     ASSERT_TRUE(comm.SendRecv(out, peer, in, peer, 2, DType::kF32)->Wait(kWait).ok());
