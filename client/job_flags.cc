@@ -93,7 +93,7 @@ ABSL_FLAG(uint64_t, seed, 1,
 ABSL_FLAG(std::string, precision, "auto",
           "train: auto (fp32 on CPUs, bf16 on CUDA devices), fp32, or bf16 mixed precision (parameters "
           "and compute in 16 bits, f32 master weights and optimizer state). fp16 is refused for training (it "
-          "needs loss scaling, which colod does not do yet); `plan` takes it.");
+          "needs loss scaling, which colod does not do yet); `plan` and an --eval-only run take it.");
 ABSL_FLAG(bool, allow_tf32, false,
           "train: on CUDA devices, f32 GEMMs may round their operands to TF32 and run on tensor cores (CPUs "
           "compute in f32 either way).");

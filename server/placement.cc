@@ -110,4 +110,11 @@ absl::StatusOr<PlacementDecision> PlaceJob(const DeviceMesh& mesh, int64_t memor
   return d;
 }
 
+bool RunsAMaskedLanguageModel(const v1::JobSpec& spec) {
+  if (spec.kind() == v1::JOB_KIND_TRAIN) return spec.train().has_mask_token_id();
+  if (spec.kind() != v1::JOB_KIND_FORWARD) return false;
+  const absl::StatusOr<ModelConfig> config = ParseModelConfig(spec.model().config_json());
+  return config.ok() && config->masked_lm();
+}
+
 }  // namespace colod

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "colod/v1/job.pb.h"
 #include "colod/v1/mesh.pb.h"
 #include "colod/v1/worker.pb.h"
 #include "spec/mesh.h"
@@ -58,6 +59,13 @@ struct PlacementDecision {
 absl::StatusOr<PlacementDecision> PlaceJob(const DeviceMesh& mesh, int64_t memory_need,
                                            const std::vector<v1::Worker>& live,
                                            const std::set<std::string>& unavailable, bool masked_lm = false);
+
+// Whether a job's ranks run a masked language model (BERT): one that trains
+// it (TrainConfig.mask_token_id), or a forward pass of one (no next-token
+// loss; its labels are positions'). An older worker would train it on next
+// tokens, report a next-token loss, or refuse the labels: PlaceJob's
+// `masked_lm`.
+bool RunsAMaskedLanguageModel(const v1::JobSpec& spec);
 
 }  // namespace colod
 

@@ -198,6 +198,23 @@ TEST(PlaceJob, AMaskedLanguageModelGoesOnlyToWorkersThatTrainOne) {
   // Another job takes any of them.
   d = PlaceJob(Mesh(1, 3), 0, live, {});
   ASSERT_TRUE(d.ok() && d->placed.has_value());
+  // Which jobs those are: one training BERT (its [MASK] id), a forward pass
+  // of one; not another model's, nor a tensor job.
+  const std::string bert = R"({"model_type":"bert","vocab_size":50,"hidden_size":16,"num_hidden_layers":1,
+      "num_attention_heads":2,"intermediate_size":32})";
+  const std::string gpt2 = R"({"model_type":"gpt2","vocab_size":50,"n_embd":16,"n_layer":1,"n_head":2})";
+  v1::JobSpec spec;
+  spec.set_kind(v1::JOB_KIND_TRAIN);
+  spec.mutable_model()->set_config_json(bert);
+  EXPECT_FALSE(RunsAMaskedLanguageModel(spec));  // (refused at submit without its id)
+  spec.mutable_train()->set_mask_token_id(4);
+  EXPECT_TRUE(RunsAMaskedLanguageModel(spec));
+  spec.set_kind(v1::JOB_KIND_FORWARD);
+  EXPECT_TRUE(RunsAMaskedLanguageModel(spec));
+  spec.mutable_model()->set_config_json(gpt2);
+  EXPECT_FALSE(RunsAMaskedLanguageModel(spec));
+  spec.set_kind(v1::JOB_KIND_TENSOR);
+  EXPECT_FALSE(RunsAMaskedLanguageModel(spec));
 }
 
 }  // namespace

@@ -295,8 +295,7 @@ void Scheduler::ScheduleQueued() {
     std::set<std::string> unavailable = held;
     unavailable.insert(taken.begin(), taken.end());
     absl::StatusOr<PlacementDecision> decision =
-        PlaceJob(*mesh, job.memory_floor().total_bytes(), live, unavailable,
-                 /*masked_lm=*/job.spec().kind() == v1::JOB_KIND_TRAIN && job.spec().train().has_mask_token_id());
+        PlaceJob(*mesh, job.memory_floor().total_bytes(), live, unavailable, RunsAMaskedLanguageModel(job.spec()));
     if (!decision.ok()) {
       waiting_.erase(job.job_id());
       (void)jobs_->SetState(job.job_id(), v1::JOB_STATE_FAILED, decision.status().message());

@@ -38,17 +38,30 @@ absl::StatusOr<Communicator*> ProcessGroup::Comm(const std::string& axis) {
     if (it != comms_.end()) return it->second.get();
     RETURN_IF_ERROR(abort_signal_->Check());
     if (auto f = failed_.find(axis); f != failed_.end()) return f->second;
+  }
+  // An axis the mesh does not have (a 2D layer's probe) is not a failure.
+  ASSIGN_OR_RETURN(const GroupInfo info, InfoOf(axis));
+  {
+    absl::MutexLock lock(&mu_);
+    // (Made, or being made, by another thread meanwhile: wait and take it.)
+    while (creating_.count(axis) > 0) made_cv_.Wait(&mu_);
+    if (auto it = comms_.find(axis); it != comms_.end()) return it->second.get();
+    if (auto f = failed_.find(axis); f != failed_.end()) return f->second;
+    RETURN_IF_ERROR(abort_signal_->Check());
     creating_.insert(axis);
   }
-  absl::StatusOr<std::unique_ptr<Communicator>> made = Make(axis);
+  absl::StatusOr<std::unique_ptr<Communicator>> made = factory_(info);
   Communicator* raw = nullptr;
   {
     absl::MutexLock lock(&mu_);
     creating_.erase(axis);
     made_cv_.SignalAll();
     if (!made.ok()) {
-      failed_.emplace(axis, made.status());
-      return made.status();
+      // Said as not made again: the job's group is broken (AsyncError).
+      const absl::Status failed(made.status().code(), absl::StrCat(made.status().message(), " (the communicator of ",
+                                                                   axis, " could not be made; it is not tried again)"));
+      failed_.emplace(axis, failed);
+      return failed;
     }
     raw = made->get();
     comms_.emplace(axis, *std::move(made));
@@ -60,7 +73,7 @@ absl::StatusOr<Communicator*> ProcessGroup::Comm(const std::string& axis) {
   return raw;
 }
 
-absl::StatusOr<std::unique_ptr<Communicator>> ProcessGroup::Make(const std::string& axis) {
+absl::StatusOr<ProcessGroup::GroupInfo> ProcessGroup::InfoOf(const std::string& axis) const {
   // "pp#back": another communicator of the pp groups (its own rendezvous,
   // and its own thread on backends that have one).
   const std::string base = axis.substr(0, axis.find('#'));
@@ -77,7 +90,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> ProcessGroup::Make(const std::stri
     // The member list names the group uniquely, whatever the axis is called.
     info.prefix = absl::StrCat(axis, "/", absl::StrJoin(group, "_"));
   }
-  return factory_(info);
+  return info;
 }
 
 absl::Status ProcessGroup::Barrier() {
@@ -92,6 +105,9 @@ absl::Status ProcessGroup::AsyncError() {
   std::vector<Communicator*> comms;
   {
     absl::MutexLock lock(&mu_);
+    // A communicator that could not be made broke the group as one that
+    // failed does: its calls all fail from then on.
+    if (!failed_.empty()) return failed_.begin()->second;
     for (auto& [axis, comm] : comms_) comms.push_back(comm.get());
   }
   for (Communicator* c : comms) RETURN_IF_ERROR(c->AsyncError());

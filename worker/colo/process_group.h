@@ -98,7 +98,9 @@ class ProcessGroup {
         abort_signal_(abort_signal != nullptr ? std::move(abort_signal) : std::make_shared<AbortSignal>()) {}
 
   // The factory's communicator for `axis` (collective for the axis' group).
-  absl::StatusOr<std::unique_ptr<Communicator>> Make(const std::string& axis);
+  // The group of this rank along `axis` (INVALID_ARGUMENT or NOT_FOUND for
+  // an axis the mesh lacks).
+  absl::StatusOr<GroupInfo> InfoOf(const std::string& axis) const;
 
   const DeviceMesh mesh_;
   const int rank_;

@@ -5,6 +5,7 @@
 
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -55,11 +56,20 @@ TEST(ProcessGroup, ACommunicatorThatCouldNotBeMadeIsNotTriedAgain) {
   };
   auto pg = ProcessGroup::Create(TpDpMesh(2, 2), 0, failing, absl::Seconds(60), std::make_shared<AbortSignal>());
   ASSERT_TRUE(pg.ok()) << pg.status();
+  // An axis the mesh lacks (a 2D layer's probe) is no failure of the group.
+  EXPECT_FALSE((*pg)->Comm("tp_row").ok());
+  EXPECT_EQ(tries, 0);
+  EXPECT_TRUE((*pg)->AsyncError().ok()) << (*pg)->AsyncError();
   const absl::Status first = (*pg)->Comm("tp").status();
   EXPECT_EQ(first.code(), absl::StatusCode::kDeadlineExceeded) << first;
+  EXPECT_EQ(first.message(),
+            "rendezvous of tp: peers never came (the communicator of tp could not be made; it is not tried again)");
   EXPECT_EQ((*pg)->Comm("tp").status(), first);
   EXPECT_EQ(tries, 1);
-  EXPECT_EQ((*pg)->Comm("dp").status().message(), "rendezvous of dp: peers never came");
+  // The group is broken, as by a communicator that failed: a rank serving
+  // calls ends (the job's restart policy decides).
+  EXPECT_EQ((*pg)->AsyncError(), first);
+  EXPECT_TRUE(absl::StartsWith((*pg)->Comm("dp").status().message(), "rendezvous of dp: peers never came"));
   EXPECT_EQ(tries, 2);
 }
 

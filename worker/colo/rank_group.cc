@@ -37,6 +37,7 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> CreateRankGroup(const DeviceMesh& 
     o.hostname = options.host;
     o.timeout = options.timeout;
     o.abort_signal = options.abort_signal;  // reaches a rendezvous waiting for a dead peer
+    o.kept_scratch_bytes = options.kept_scratch_bytes;
     inner = ProcessGroup::GlooFactory(store, o);
   }
   ProcessGroup::CommFactory factory = std::move(inner);

@@ -7,6 +7,7 @@
 #define COLOD_WORKER_COLO_RANK_GROUP_H_
 
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -41,6 +42,9 @@ struct RankGroupOptions {
   std::shared_ptr<AbortSignal> abort_signal;
   // May be empty.
   CommWrapper wrap;
+  // Gloo: GlooCommunicator::Options::kept_scratch_bytes (a TENSOR job's
+  // groups keep little; a training job's buckets reuse theirs).
+  size_t kept_scratch_bytes = std::numeric_limits<size_t>::max();
 };
 
 // Rank `rank` of `mesh`, rendezvousing through `store` (which must outlive

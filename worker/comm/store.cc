@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/atomic_file.h"
+#include "common/logging.h"
 #include "common/rendezvous_store.h"
 #include "common/status_macros.h"
 
@@ -75,7 +76,10 @@ std::string FileStore::PathOf(absl::string_view key) const {
   if (hex.size() <= kMaxHexName) return absl::StrCat(dir_, "/", hex);
   unsigned char digest[EVP_MAX_MD_SIZE];
   unsigned int length = 0;
-  EVP_Digest(key.data(), key.size(), digest, &length, EVP_sha256(), nullptr);
+  if (EVP_Digest(key.data(), key.size(), digest, &length, EVP_sha256(), nullptr) != 1 || length != 32) {
+    // (Only without memory.) One name for every long key would be worse.
+    COLOD_LOG(FATAL) << "file store: SHA-256 of a key failed";
+  }
   return absl::StrCat(dir_, "/sha256-",
                       absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(digest), length)));
 }

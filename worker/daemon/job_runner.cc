@@ -632,6 +632,9 @@ absl::Status JobRunner::RunRank(Active& active) {
   group.host = options_.host;
   group.timeout = options_.comm_timeout;
   group.abort_signal = active.abort;
+  // A TENSOR job's reshards are one-off and may be gigabytes: their scratch
+  // is not kept past 64 MiB (a training step's buckets reuse theirs).
+  if (req.spec().kind() == v1::JOB_KIND_TENSOR) group.kept_scratch_bytes = size_t{64} << 20;
   group.wrap = [metrics, recorder = active.recorder](std::unique_ptr<Communicator> c,
                                                      const ProcessGroup::GroupInfo& g) {
     return std::unique_ptr<Communicator>(new InstrumentedCommunicator(

@@ -206,6 +206,16 @@ std::string WriterJob(const Json& state) {
   return state.contains("job") && state["job"].is_string() ? state["job"].get<std::string>() : "";
 }
 
+// A masked language model's [MASK] id a checkpoint records (none: not one,
+// or written before 2026-12-07); INVALID_ARGUMENT where it is not an id.
+absl::StatusOr<std::optional<int64_t>> MaskTokenIdField(const Json& state, const std::string& where) {
+  if (!state.contains("mask_token_id")) return std::optional<int64_t>();
+  if (!state["mask_token_id"].is_number_integer() || state["mask_token_id"].get<int64_t>() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": mask_token_id: not a token id"));
+  }
+  return std::optional<int64_t>(state["mask_token_id"].get<int64_t>());
+}
+
 // Every file of a step directory whose train_state.json reads as `state`
 // opens and validates.
 absl::Status ValidateFiles(const std::string& step_dir, const Json& state) {
@@ -221,6 +231,7 @@ absl::Status ValidateFiles(const std::string& step_dir, const Json& state) {
   RETURN_IF_ERROR(CountField(state, "optimizer_steps", where).status());
   RETURN_IF_ERROR(SeedField(state, where).status());
   RETURN_IF_ERROR(SavedDataParallelSize(state, where).status());
+  RETURN_IF_ERROR(MaskTokenIdField(state, where).status());
   for (int r = 0; r < world; ++r) {
     for (const std::string& name :
          {absl::StrFormat("rank-%05d-of-%05d.safetensors", r, world), OptimFile(r, world)}) {
@@ -819,12 +830,7 @@ absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": param_dtype: ", dtype.status().message()));
     r.param_dtype = *dtype;
   }
-  if (state.contains("mask_token_id")) {
-    if (!state["mask_token_id"].is_number_integer() || state["mask_token_id"].get<int64_t>() < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": mask_token_id: not a token id"));
-    }
-    r.mask_token_id = state["mask_token_id"].get<int64_t>();
-  }
+  ASSIGN_OR_RETURN(r.mask_token_id, MaskTokenIdField(state, where));
   return r;
 }
 

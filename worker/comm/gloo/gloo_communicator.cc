@@ -668,10 +668,7 @@ std::shared_ptr<Work> GlooCommunicator::ReduceScatter(const void* in, void* out,
                                      ToMillis(options_.timeout), static_cast<size_t>(count), SizeOf(dtype),
                                      ReduceFunction(dtype, op)};
     gloo_algorithms::RingReduceScatter(call, in, out, Scratch(2 * chunk));
-    // Kept for the next call only while small (ZeRO 2's buckets): a large
-    // one (a tensor job's reshard of gigabytes) would otherwise stay held,
-    // unseen by the worker's memory budget, until the job ends.
-    if (scratch_bytes_ > kKeptScratchBytes) {
+    if (scratch_bytes_ > options_.kept_scratch_bytes) {  // (Options::kept_scratch_bytes)
       scratch_.reset();
       scratch_bytes_ = 0;
     }

@@ -5,6 +5,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -65,6 +66,11 @@ class GlooCommunicator final : public Communicator {
     // If set, firing it ends a Create in progress (ABORTED) within
     // milliseconds, even while Gloo waits for a dead peer's TCP connection.
     std::shared_ptr<AbortSignal> abort_signal;
+    // A ReduceScatter's scratch (twice its result) is kept for the next one
+    // up to this many bytes, and released after the call above it: a
+    // training step's buckets reuse it, while a tensor job's one-off
+    // reshard of gigabytes need not hold it, unseen by the worker's budget.
+    size_t kept_scratch_bytes = std::numeric_limits<size_t>::max();
   };
 
   // Connects `size` ranks through `store` (every rank calls it with the same
@@ -120,8 +126,6 @@ class GlooCommunicator final : public Communicator {
   // ReduceScatter's running sum and incoming chunk, and the two-rank
   // exchange's incoming buffer, kept between calls so that each call does
   // not fault in fresh pages; only the communicator thread touches them.
-  // What a ReduceScatter's scratch may stay after it (released above).
-  static constexpr size_t kKeptScratchBytes = size_t{64} << 20;
   std::unique_ptr<char[]> scratch_;
   size_t scratch_bytes_ = 0;
 
