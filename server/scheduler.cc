@@ -286,6 +286,10 @@ void Scheduler::ScheduleQueued() {
   std::map<std::string, const v1::WorkerInfo*> live_info;  // by worker id
   for (const v1::Worker& w : live) live_info.emplace(w.info().worker_id(), &w.info());
   std::set<std::string> taken;  // placed earlier in this pass
+  // Where every worker runs masked language models (an upgraded fleet), no
+  // job's config is parsed to find whether it is one (RunsAMaskedLanguageModel).
+  const bool every_worker_runs_masked_lms =
+      std::all_of(live.begin(), live.end(), [](const v1::Worker& w) { return w.info().trains_masked_lm(); });
   for (const v1::Job& job : pending) {
     absl::StatusOr<DeviceMesh> mesh = DeviceMesh::FromShardConfig(job.spec().shard());
     if (!mesh.ok()) {  // validated on submit; only a changed rule gets here
@@ -295,7 +299,8 @@ void Scheduler::ScheduleQueued() {
     std::set<std::string> unavailable = held;
     unavailable.insert(taken.begin(), taken.end());
     absl::StatusOr<PlacementDecision> decision =
-        PlaceJob(*mesh, job.memory_floor().total_bytes(), live, unavailable, RunsAMaskedLanguageModel(job.spec()));
+        PlaceJob(*mesh, job.memory_floor().total_bytes(), live, unavailable,
+                 !every_worker_runs_masked_lms && RunsAMaskedLanguageModel(job.spec()));
     if (!decision.ok()) {
       waiting_.erase(job.job_id());
       (void)jobs_->SetState(job.job_id(), v1::JOB_STATE_FAILED, decision.status().message());

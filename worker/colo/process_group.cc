@@ -46,8 +46,8 @@ absl::StatusOr<Communicator*> ProcessGroup::Comm(const std::string& axis) {
     // (Made, or being made, by another thread meanwhile: wait and take it.)
     while (creating_.count(axis) > 0) made_cv_.Wait(&mu_);
     if (auto it = comms_.find(axis); it != comms_.end()) return it->second.get();
-    if (auto f = failed_.find(axis); f != failed_.end()) return f->second;
     RETURN_IF_ERROR(abort_signal_->Check());
+    if (auto f = failed_.find(axis); f != failed_.end()) return f->second;
     creating_.insert(axis);
   }
   absl::StatusOr<std::unique_ptr<Communicator>> made = factory_(info);
@@ -61,6 +61,7 @@ absl::StatusOr<Communicator*> ProcessGroup::Comm(const std::string& axis) {
       const absl::Status failed(made.status().code(), absl::StrCat(made.status().message(), " (the communicator of ",
                                                                    axis, " could not be made; it is not tried again)"));
       failed_.emplace(axis, failed);
+      if (first_failed_.ok()) first_failed_ = failed;
       return failed;
     }
     raw = made->get();
@@ -105,12 +106,15 @@ absl::Status ProcessGroup::AsyncError() {
   std::vector<Communicator*> comms;
   {
     absl::MutexLock lock(&mu_);
-    // A communicator that could not be made broke the group as one that
-    // failed does: its calls all fail from then on.
-    if (!failed_.empty()) return failed_.begin()->second;
     for (auto& [axis, comm] : comms_) comms.push_back(comm.get());
   }
+  // A communicator's own error first: it is the cause (a peer gone) where a
+  // later axis' rendezvous then failed for want of that peer.
   for (Communicator* c : comms) RETURN_IF_ERROR(c->AsyncError());
+  // A communicator that could not be made broke the group as one that
+  // failed does: its calls all fail from then on.
+  absl::MutexLock lock(&mu_);
+  if (!first_failed_.ok()) return first_failed_;
   return absl::OkStatus();
 }
 

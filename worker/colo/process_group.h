@@ -75,8 +75,9 @@ class ProcessGroup {
   // mesh axis in turn. Collective over the whole mesh.
   absl::Status Barrier();
   // The first sticky error of this rank's communicators (Communicator::
-  // AsyncError), or OK. Collectives waited on the device fail here: check it
-  // after reading a result on the host.
+  // AsyncError), else the first communicator that could not be made, or OK.
+  // Collectives waited on the device fail here: check it after reading a
+  // result on the host.
   absl::Status AsyncError();
   // Aborts every communicator created so far (Communicator::Abort) and the
   // ones being created (the abort signal): their collectives fail with
@@ -97,9 +98,8 @@ class ProcessGroup {
         timeout_(timeout),
         abort_signal_(abort_signal != nullptr ? std::move(abort_signal) : std::make_shared<AbortSignal>()) {}
 
-  // The factory's communicator for `axis` (collective for the axis' group).
-  // The group of this rank along `axis` (INVALID_ARGUMENT or NOT_FOUND for
-  // an axis the mesh lacks).
+  // The group of this rank along `axis` (NOT_FOUND for an axis the mesh
+  // lacks).
   absl::StatusOr<GroupInfo> InfoOf(const std::string& axis) const;
 
   const DeviceMesh mesh_;
@@ -116,6 +116,7 @@ class ProcessGroup {
   // under the same keys would read the first one's peer addresses (dead or
   // abandoned listeners) and wait out the timeout again.
   std::map<std::string, absl::Status> failed_ ABSL_GUARDED_BY(mu_);
+  absl::Status first_failed_ ABSL_GUARDED_BY(mu_);  // the first of failed_ in time
   absl::CondVar made_cv_;  // signalled when an axis leaves creating_
 };
 

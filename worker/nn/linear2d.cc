@@ -24,7 +24,10 @@ ComputeSpec Compute2D(ProcessGroup* pg) {
 absl::StatusOr<Groups2D> GetGroups2D(ProcessGroup* pg) {
   auto row = pg->Comm("tp_row");
   auto col = pg->Comm("tp_col");
-  if (!row.ok() || !col.ok()) {
+  for (const auto* made : {&row, &col}) {
+    if (made->ok()) continue;
+    // An axis the mesh lacks; any other error (a rendezvous) is its own.
+    if (!absl::IsNotFound(made->status())) return made->status();
     return absl::FailedPreconditionError(
         "2D and 2.5D tensor parallelism need a mesh with tp_col and tp_row axes (tensor_parallel_mode 2d or 2.5d)");
   }

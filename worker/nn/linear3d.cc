@@ -22,7 +22,10 @@ absl::StatusOr<Roles> GetRoles(ProcessGroup* pg, const std::string& k, const std
   auto r = pg->Comm(kR);
   auto kk = pg->Comm(k);
   auto cc = pg->Comm(c);
-  if (!r.ok() || !kk.ok() || !cc.ok()) {
+  for (const auto* made : {&r, &kk, &cc}) {
+    if (made->ok()) continue;
+    // An axis the mesh lacks; any other error (a rendezvous) is its own.
+    if (!absl::IsNotFound(made->status())) return made->status();
     return absl::FailedPreconditionError(
         "3D tensor parallelism needs a mesh with tp_output, tp_input and tp_weight axes (tensor_parallel_mode 3d)");
   }
