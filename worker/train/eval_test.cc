@@ -51,6 +51,23 @@ TrainOptions WithLayout(TrainOptions o, int tp, int pp, int dp, v1::TensorParall
   return o;
 }
 
+// `o`'s evaluation at tp 2 x dp 2 with 2 micro-batches, 2D (tp 4) and
+// pp 2 x dp 2: `loss` within 1e-5, over `tokens` labelled positions.
+void ExpectTheEvaluationAtEveryLayout(const TrainOptions& o, double loss, int64_t tokens) {
+  TrainOptions micro = WithLayout(o, 2, 1, 2);
+  micro.micro_batches = 2;
+  TrainOptions pipelined = WithLayout(o, 1, 2, 2);
+  pipelined.micro_batches = 2;
+  for (const auto& [what, layout] : std::vector<std::pair<std::string, TrainOptions>>{
+           {"tp2 x dp2, 2 micro-batches", micro},
+           {"2D tp4", WithLayout(o, 4, 1, 1, v1::TENSOR_PARALLEL_MODE_2D)},
+           {"pp2 x dp2", pipelined}}) {
+    const EvalStats e = EvalOnly(layout);
+    EXPECT_NEAR(e.loss, loss, 1e-5 * loss) << what;
+    EXPECT_EQ(e.tokens, tokens) << what;
+  }
+}
+
 // GPT-2 on the GPL's text, byte-level (one document: the split is at the
 // token): 10 % held out from round(0.9 n), read in windows of 17 tokens
 // 16 apart. Two batches of 8 are the first 16 windows; their mean
@@ -82,26 +99,14 @@ TEST(Eval, TheHeldOutLossIsTheUnshardedReferencesOnTheTrailingWindows) {
   ASSERT_TRUE(plain.perplexity.has_value());
   EXPECT_DOUBLE_EQ(*plain.perplexity, std::exp(plain.loss));
   EXPECT_FALSE(plain.accuracy.has_value());
-  TrainOptions micro = WithLayout(o, 2, 1, 2);
-  micro.micro_batches = 2;
-  for (const auto& [what, layout] : std::vector<std::pair<std::string, TrainOptions>>{
-           {"tp2 x dp2, 2 micro-batches", micro},
-           {"2D tp4", WithLayout(o, 4, 1, 1, v1::TENSOR_PARALLEL_MODE_2D)},
-           {"pp2 x dp2", [&] {
-              TrainOptions p = WithLayout(o, 1, 2, 2);
-              p.micro_batches = 2;
-              return p;
-            }()}}) {
-    const EvalStats e = EvalOnly(layout);
-    EXPECT_NEAR(e.loss, ref->loss, 1e-5 * ref->loss) << what;
-    EXPECT_EQ(e.tokens, 16 * 16) << what;
-  }
+  ExpectTheEvaluationAtEveryLayout(o, ref->loss, 16 * 16);
 }
 
 // BERT sees every position, so it is evaluated (and trained) as a masked
 // language model: the loss is the unsharded reference's over the masked
 // positions of the windows the evaluation reads, masked as BatchSampler
-// masks them (seed 0), and counts only those; the same at tp 2, 2D and pp 2.
+// masks them (seed 0), and counts only those; the same at tp 2 x dp 2, 2D
+// and pp 2 x dp 2.
 TEST(Eval, AMaskedLanguageModelIsEvaluatedOnItsMaskedPositions) {
   auto model = shardformer::testing::WriteTinyBert(TempPath("eval_bert"), TinyByteLevel());
   ASSERT_TRUE(model.ok()) << model.status();
@@ -132,19 +137,10 @@ TEST(Eval, AMaskedLanguageModelIsEvaluatedOnItsMaskedPositions) {
                                                  *Tensor::FromInt64s({16, 16}, labels));
   ASSERT_TRUE(ref.ok()) << ref.status();
   ASSERT_EQ(ref->tokens, masked);
-  for (const auto& [what, layout] : std::vector<std::pair<std::string, TrainOptions>>{
-           {"one rank", o},
-           {"tp2", WithLayout(o, 2, 1, 1)},
-           {"2D tp4", WithLayout(o, 4, 1, 1, v1::TENSOR_PARALLEL_MODE_2D)},
-           {"pp2 x dp2", [&] {
-              TrainOptions p = WithLayout(o, 1, 2, 2);
-              p.micro_batches = 2;
-              return p;
-            }()}}) {
-    const EvalStats e = EvalOnly(layout);
-    EXPECT_NEAR(e.loss, ref->loss, 1e-5 * ref->loss) << what;
-    EXPECT_EQ(e.tokens, masked) << what;
-  }
+  const EvalStats one = EvalOnly(o);
+  EXPECT_NEAR(one.loss, ref->loss, 1e-5 * ref->loss);
+  EXPECT_EQ(one.tokens, masked);
+  ExpectTheEvaluationAtEveryLayout(o, ref->loss, masked);
   // Without its [MASK] id a BERT run is refused, naming why.
   TrainOptions bare = o;
   bare.mask_token_id.reset();
