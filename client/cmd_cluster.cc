@@ -218,8 +218,8 @@ int RunMesh(const std::vector<std::string>& operands) {
 constexpr Command kCommands[] = {
     {"workers", "", "all",
      "  workers     List the workers registered with the coordinator: id, address, host,\n"
-     "              device, state and heartbeat age. --all includes lost workers;\n"
-     "              --output json prints the ListWorkersResponse as proto3 JSON.\n",
+     "              device, state, heartbeat age and colod version. --all includes lost\n"
+     "              workers; --output json prints the ListWorkersResponse as proto3 JSON.\n",
      RunWorkers},
     {"submit", "", COLOD_TRAIN_JOB_FLAGS "kind request_id watch job_file",
      "  submit      Submit a TRAIN job: --model DIR --data FILE and the train flags above;\n"

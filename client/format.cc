@@ -74,9 +74,12 @@ std::string RenderWorkersTable(const std::vector<v1::Worker>& workers, absl::Tim
     }
     std::string state = EnumSuffix(v1::WorkerState_Name(w.state()), "WORKER_STATE_");
     if (!w.lost_reason().empty()) absl::StrAppend(&state, " (", w.lost_reason(), ")");
-    rows.push_back({i.worker_id(), i.address(), i.host(), device, state, Age(w.last_heartbeat_time(), now)});
+    // (A rolling upgrade's workers of two versions: the placement's waiting
+    // reason may name the older ones.)
+    rows.push_back({i.worker_id(), i.address(), i.host(), device, state, Age(w.last_heartbeat_time(), now),
+                    i.version().empty() ? "-" : i.version()});
   }
-  return RenderTable({"ID", "ADDRESS", "HOST", "DEVICE", "STATE", "LAST HEARTBEAT"}, rows);
+  return RenderTable({"ID", "ADDRESS", "HOST", "DEVICE", "STATE", "LAST HEARTBEAT", "VERSION"}, rows);
 }
 
 absl::StatusOr<std::string> RenderJson(const google::protobuf::Message& message, bool pretty) {

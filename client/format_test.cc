@@ -26,14 +26,15 @@ TEST(RenderWorkersTable, ShowsDeviceStateAndHeartbeatAge) {
   w.mutable_info()->set_device_name("H100");
   w.set_state(v1::WORKER_STATE_IDLE);
   w.mutable_last_heartbeat_time()->set_seconds(1000);
+  w.mutable_info()->set_version("0.51.0");
   const std::string table = RenderWorkersTable({w}, absl::FromUnixSeconds(1002));
   EXPECT_EQ(table,
-            "ID             ADDRESS         HOST   DEVICE         STATE  LAST HEARTBEAT\n"
-            "worker-000001  127.0.0.1:7071  node1  cuda:3 (H100)  idle   2.0s ago\n");
+            "ID             ADDRESS         HOST   DEVICE         STATE  LAST HEARTBEAT  VERSION\n"
+            "worker-000001  127.0.0.1:7071  node1  cuda:3 (H100)  idle   2.0s ago        0.51.0\n");
   // A lost worker says why.
   w.set_state(v1::WORKER_STATE_LOST);
   w.set_lost_reason("left: shutting down");
-  EXPECT_NE(RenderWorkersTable({w}, absl::FromUnixSeconds(1002)).find("  lost (left: shutting down)  2.0s ago\n"),
+  EXPECT_NE(RenderWorkersTable({w}, absl::FromUnixSeconds(1002)).find("  lost (left: shutting down)  2.0s ago"),
             std::string::npos);
 }
 
