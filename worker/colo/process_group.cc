@@ -30,6 +30,7 @@ ProcessGroup::CommFactory ProcessGroup::GlooFactory(Store* store, GlooCommunicat
 }
 
 absl::StatusOr<Communicator*> ProcessGroup::Comm(const std::string& axis) {
+  GroupInfo info;
   {
     absl::MutexLock lock(&mu_);
     // Another thread making this axis' communicator: wait for it.
@@ -38,16 +39,9 @@ absl::StatusOr<Communicator*> ProcessGroup::Comm(const std::string& axis) {
     if (it != comms_.end()) return it->second.get();
     RETURN_IF_ERROR(abort_signal_->Check());
     if (auto f = failed_.find(axis); f != failed_.end()) return f->second;
-  }
-  // An axis the mesh does not have (a 2D layer's probe) is not a failure.
-  ASSIGN_OR_RETURN(const GroupInfo info, InfoOf(axis));
-  {
-    absl::MutexLock lock(&mu_);
-    // (Made, or being made, by another thread meanwhile: wait and take it.)
-    while (creating_.count(axis) > 0) made_cv_.Wait(&mu_);
-    if (auto it = comms_.find(axis); it != comms_.end()) return it->second.get();
-    RETURN_IF_ERROR(abort_signal_->Check());
-    if (auto f = failed_.find(axis); f != failed_.end()) return f->second;
+    // An axis the mesh does not have (a 2D layer's probe) is not a failure.
+    // (The mesh's arithmetic: no blocking call under the lock.)
+    ASSIGN_OR_RETURN(info, InfoOf(axis));
     creating_.insert(axis);
   }
   absl::StatusOr<std::unique_ptr<Communicator>> made = factory_(info);

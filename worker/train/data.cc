@@ -719,11 +719,16 @@ uint64_t MaskRowKey(uint64_t seed, int64_t step, int64_t row) {
   return Mix(Mix(seed ^ kMaskSalt ^ Mix(static_cast<uint64_t>(step))) + static_cast<uint64_t>(row));
 }
 
-MaskDraw DrawMask(uint64_t row_key, int64_t position) {
+// Whether the position is masked: the first of its three draws.
+bool IsMasked(uint64_t row_key, int64_t position) {
   // 0.15 of 2^64, below which a draw masks.
   constexpr uint64_t kBelow = static_cast<uint64_t>(MaskedLm::kMaskedFraction * 18446744073709551616.0);
+  return Mix(row_key + 3 * static_cast<uint64_t>(position)) < kBelow;
+}
+
+MaskDraw DrawMask(uint64_t row_key, int64_t position) {
   const uint64_t at = row_key + 3 * static_cast<uint64_t>(position);
-  return MaskDraw{.masked = Mix(at) < kBelow, .how = Mix(at + 1), .random_id = Mix(at + 2)};
+  return MaskDraw{.masked = IsMasked(row_key, position), .how = Mix(at + 1), .random_id = Mix(at + 2)};
 }
 
 }  // namespace
@@ -734,7 +739,7 @@ int64_t BatchSampler::MaskedPositions(int64_t step, int64_t first, int64_t count
   int64_t masked = 0;
   for (int64_t r = first; r < first + count; ++r) {
     const uint64_t key = MaskRowKey(seed_, step, r);
-    for (int64_t p = 0; p < seq_len_; ++p) masked += DrawMask(key, p).masked ? 1 : 0;
+    for (int64_t p = 0; p < seq_len_; ++p) masked += IsMasked(key, p) ? 1 : 0;  // (every step, on every rank)
   }
   return masked;
 }
