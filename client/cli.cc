@@ -409,6 +409,10 @@ void PrintStep(const v1::StepProgress& p, int64_t steps, bool json) {
                    {"param_bytes", p.param_bytes()},
                    {"grad_bytes", p.grad_bytes()},
                    {"optimizer_bytes", p.optimizer_bytes()}});
+      if (p.has_loss_scale()) {  // fp16 (a skipped step's grad_norm is not finite: null)
+        line["loss_scale"] = p.loss_scale();
+        line["update_skipped"] = p.update_skipped();
+      }
     }
     if (p.has_eval()) {
       line["eval_loss"] = p.eval().loss();
@@ -420,9 +424,13 @@ void PrintStep(const v1::StepProgress& p, int64_t steps, bool json) {
     std::printf("%s\n", JsonText(line).c_str());
   } else {
     if (trained) {
-      std::printf("step %lld/%lld  loss %.4f  lr %.3e  grad_norm %.4f  tokens/s %.0f\n",
-                  static_cast<long long>(p.step()), static_cast<long long>(steps), p.loss(), p.learning_rate(),
-                  p.grad_norm(), p.tokens_per_second());
+      std::printf(
+          "step %lld/%lld  loss %.4f  lr %.3e  grad_norm %.4f  tokens/s %.0f%s\n", static_cast<long long>(p.step()),
+          static_cast<long long>(steps), p.loss(), p.learning_rate(), p.grad_norm(), p.tokens_per_second(),
+          !p.has_loss_scale() ? ""
+          : p.update_skipped()
+              ? absl::StrCat("  loss_scale ", p.loss_scale(), " (overflowed: no update; the scale halves)").c_str()
+              : absl::StrCat("  loss_scale ", p.loss_scale()).c_str());
     }
     if (p.has_eval()) std::printf("eval %s\n", EvalSummary(p.eval()).c_str());
   }

@@ -142,7 +142,8 @@ int ExitForJob(const v1::Job& job);
 
 // One training step as `train` prints it: "step 3/10  loss ..." (on stdout),
 // or with `json` one JSON object with step, loss, lr, grad_norm,
-// tokens_per_second, param_bytes, grad_bytes and optimizer_bytes; first
+// tokens_per_second, param_bytes, grad_bytes and optimizer_bytes (fp16:
+// loss_scale and update_skipped, a skipped step's grad_norm null); first
 // "coloctl: resuming from DIR" on stderr where the step says it resumed.
 void PrintStep(const v1::StepProgress& step, int64_t steps, bool json);
 // After a train run that succeeded: for a time-boxed run (stop_after <

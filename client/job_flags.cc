@@ -91,9 +91,18 @@ ABSL_FLAG(uint64_t, seed, 1,
           "train: the data sampler's seed; init-model: the weights'; tensor create, tensor demo: the N(0,1) "
           "values'.");
 ABSL_FLAG(std::string, precision, "auto",
-          "train: auto (fp32 on CPUs, bf16 on CUDA devices), fp32, or bf16 mixed precision (parameters "
-          "and compute in 16 bits, f32 master weights and optimizer state). fp16 is refused for training (it "
-          "needs loss scaling, which colod does not do yet); `plan` and an --eval-only run take it.");
+          "train: auto (fp32 on CPUs, bf16 on CUDA devices), fp32, or bf16 or fp16 mixed precision "
+          "(parameters and compute in 16 bits, f32 master weights and optimizer state). fp16 scales its loss "
+          "(--loss-scale); bf16 needs no scaling.");
+// A string, so that leaving it out (GradScaler's 65536) is told from any
+// scale given.
+ABSL_FLAG(std::string, loss_scale, "",
+          "train, submit: fp16's loss scale to start at, a power of two in [1, 2^24] (default 65536). A step "
+          "whose gradients overflow updates nothing and halves it; --loss-scale-window steps in a row that do "
+          "not double it. A resume goes on from its checkpoint's.");
+ABSL_FLAG(int64_t, loss_scale_window, 0,
+          "train, submit: fp16: steps in a row without overflow after which the loss scale doubles (default "
+          "2000).");
 ABSL_FLAG(bool, allow_tf32, false,
           "train: on CUDA devices, f32 GEMMs may round their operands to TF32 and run on tensor cores (CPUs "
           "compute in f32 either way).");
@@ -329,6 +338,14 @@ absl::StatusOr<v1::JobSpec> TrainSpecFromFlags(bool require_data) {
         absl::StrCat("--precision: '", precision, "' is not one of auto, fp32, bf16, fp16"));
   }
   t.set_allow_tf32(absl::GetFlag(FLAGS_allow_tf32));
+  if (const std::string scale = absl::GetFlag(FLAGS_loss_scale); !scale.empty()) {
+    double value = 0;
+    if (!absl::SimpleAtod(scale, &value)) {
+      return absl::InvalidArgumentError(absl::StrCat("--loss-scale: '", scale, "' is not a number"));
+    }
+    t.set_loss_scale(value);  // (ValidateJobSpec checks it, and the precision)
+  }
+  t.set_loss_scale_window(absl::GetFlag(FLAGS_loss_scale_window));
   t.set_checkpoint_dir(absl::GetFlag(FLAGS_save));
   t.set_checkpoint_every(absl::GetFlag(FLAGS_save_every));
   t.set_resume_from(absl::GetFlag(FLAGS_resume));

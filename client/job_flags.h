@@ -45,7 +45,7 @@ ABSL_DECLARE_FLAG(int64_t, positions);
   "data labels data_format eval_data eval_labels eval_split eval_every eval_steps eval_only steps batch_size " \
   "seq_len micro_batches grad_accum lr min_lr warmup_steps optimizer weight_decay momentum clip_norm seed "    \
   "precision allow_tf32 bucket_mb recompute zero save save_every keep_last keep_best resume stop_after final " \
-  "final_dtype mask_token_id "
+  "final_dtype mask_token_id loss_scale loss_scale_window "
 // A TRAIN job's (TrainJobSpecFromFlags', --upload's, and following it):
 // `submit` takes these and its own; `train` these and what a run on this
 // machine's GPUs reads (--device, --comm-timeout), which a job on workers

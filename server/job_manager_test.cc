@@ -412,13 +412,35 @@ TEST(ValidateJobSpec, RejectsBadFieldsByName) {
   s = TrainSpec();
   s.mutable_train()->set_mask_token_id(3);
   ExpectInvalid(s, "spec.train.mask_token_id: is for a masked language model (bert); a gpt2 predicts its next");
-  // fp16 trains only with loss scaling, which colod lacks; an evaluation
-  // computes no gradient.
+  // fp16 trains with its loss scaled: the scale a power of two in
+  // [1, 2^24], the window in [1, 1e9]; neither for another precision (auto
+  // takes them: a resume may be of an fp16 checkpoint).
   s = TrainSpec();
   s.mutable_train()->set_precision(v1::PRECISION_FP16_MIXED);
-  ExpectInvalid(s, "spec.train.precision: fp16 mixed precision is not trained: it needs loss scaling");
-  s.mutable_train()->set_eval_only(true);
-  s.mutable_train()->set_eval_split(0.1);
+  EXPECT_TRUE(ValidateJobSpec(s).ok()) << ValidateJobSpec(s);
+  s.mutable_train()->set_loss_scale(1024);
+  s.mutable_train()->set_loss_scale_window(100);
+  EXPECT_TRUE(ValidateJobSpec(s).ok()) << ValidateJobSpec(s);
+  s.mutable_train()->set_loss_scale(1000);
+  ExpectInvalid(s, "spec.train.loss_scale: 1000 is not a power of two in [1, 1.67772e+07]");
+  s.mutable_train()->set_loss_scale(0.5);
+  ExpectInvalid(s, "spec.train.loss_scale: 0.5 is not a power of two");
+  s.mutable_train()->set_loss_scale(std::nan(""));
+  ExpectInvalid(s, "spec.train.loss_scale: nan is not a power of two");
+  s.mutable_train()->set_loss_scale(33554432);  // 2^25
+  ExpectInvalid(s, "spec.train.loss_scale: 3.35544e+07 is not a power of two");
+  s.mutable_train()->set_loss_scale(1);
+  s.mutable_train()->set_loss_scale_window(-1);
+  ExpectInvalid(s, "spec.train.loss_scale_window: -1 steps is not in [1, 1000000000]");
+  s.mutable_train()->set_loss_scale_window(1000000001);
+  ExpectInvalid(s, "spec.train.loss_scale_window: 1000000001 steps is not in [1, 1000000000]");
+  s.mutable_train()->set_loss_scale_window(0);
+  s.mutable_train()->set_precision(v1::PRECISION_BF16_MIXED);
+  ExpectInvalid(s, "spec.train.loss_scale: only fp16 training (PRECISION_FP16_MIXED) scales its loss");
+  s.mutable_train()->clear_loss_scale();
+  s.mutable_train()->set_loss_scale_window(10);
+  ExpectInvalid(s, "spec.train.loss_scale_window: only fp16 training");
+  s.mutable_train()->set_precision(v1::PRECISION_UNSPECIFIED);
   EXPECT_TRUE(ValidateJobSpec(s).ok()) << ValidateJobSpec(s);
 }
 

@@ -68,11 +68,14 @@ absl::StatusOr<v1::MeshSpec> AssignRanks(const DeviceMesh& mesh, const std::vect
 
 absl::StatusOr<PlacementDecision> PlaceJob(const DeviceMesh& mesh, int64_t memory_need,
                                            const std::vector<v1::Worker>& live,
-                                           const std::set<std::string>& unavailable, bool masked_lm) {
+                                           const std::set<std::string>& unavailable, const WorkerNeeds& needs) {
   std::vector<v1::WorkerInfo> cpu, cuda;  // idle candidates
   int registered_cpu = 0, registered_cuda = 0, too_small = 0, too_old = 0;
   for (const v1::Worker& w : live) {
-    if (masked_lm && !w.info().trains_masked_lm()) {  // an older worker would train it on next tokens
+    // An older worker would train a masked language model on next tokens,
+    // and refuse fp16 training or run it unscaled.
+    if ((needs.masked_lm && !w.info().trains_masked_lm()) ||
+        (needs.fp16_loss_scaling && !w.info().scales_fp16_loss())) {
       ++too_old;
       continue;
     }
@@ -98,15 +101,17 @@ absl::StatusOr<PlacementDecision> PlaceJob(const DeviceMesh& mesh, int64_t memor
   d.fits_cluster = world <= std::max(registered_cpu, registered_cuda);
   const std::string memory =
       too_small > 0 ? absl::StrCat(" with ", GiB(memory_need), " of memory") : std::string();
-  d.waiting = absl::StrCat("waiting for workers: needs ", world, " workers of one device kind", memory, "; ",
-                           registered_cpu + registered_cuda, " registered", memory.empty() ? "" : " that have it", " (",
-                           registered_cpu, " cpu, ", registered_cuda, " cuda), ", cpu.size() + cuda.size(), " idle",
-                           too_small > 0 ? absl::StrCat("; ", too_small, " more with less memory") : "",
-                           too_old > 0 ? absl::StrCat("; ", too_old,
-                                                      " more of an older colod, which trains no "
-                                                      "masked language model (upgrade them)")
-                                       : "",
-                           d.fits_cluster ? "" : "; jobs behind it that fit run first");
+  d.waiting = absl::StrCat(
+      "waiting for workers: needs ", world, " workers of one device kind", memory, "; ",
+      registered_cpu + registered_cuda, " registered", memory.empty() ? "" : " that have it", " (", registered_cpu,
+      " cpu, ", registered_cuda, " cuda), ", cpu.size() + cuda.size(), " idle",
+      too_small > 0 ? absl::StrCat("; ", too_small, " more with less memory") : "",
+      too_old > 0 ? absl::StrCat("; ", too_old, " more of an older colod, which ",
+                                 needs.masked_lm ? "trains no masked language model" : "",
+                                 needs.masked_lm && needs.fp16_loss_scaling ? " or " : "",
+                                 needs.fp16_loss_scaling ? "scales no fp16 run's loss" : "", " (upgrade them)")
+                  : "",
+      d.fits_cluster ? "" : "; jobs behind it that fit run first");
   return d;
 }
 
@@ -115,6 +120,11 @@ bool RunsAMaskedLanguageModel(const v1::JobSpec& spec) {
   if (spec.kind() != v1::JOB_KIND_FORWARD) return false;
   const absl::StatusOr<ModelConfig> config = ParseModelConfig(spec.model().config_json());
   return config.ok() && config->masked_lm();
+}
+
+bool TrainsInFp16(const v1::JobSpec& spec) {
+  return spec.kind() == v1::JOB_KIND_TRAIN && spec.train().precision() == v1::PRECISION_FP16_MIXED &&
+         !spec.train().eval_only();
 }
 
 }  // namespace colod

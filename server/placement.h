@@ -52,20 +52,28 @@ struct PlacementDecision {
 // itself) are registered candidates; of those, the ones not BUSY and not in
 // `unavailable` (holding a rank, sitting out a refusal, taken earlier in the
 // pass) are idle. The job takes idle CUDA workers if there are enough of
-// them, else idle CPU ones (AssignRanks), else waits. With `masked_lm` (a
-// job that trains a masked language model) only workers that say they
-// train one (WorkerInfo.trains_masked_lm) are candidates. Errors other than
-// too few workers (a mesh AssignRanks cannot lay out) are returned.
+// them, else idle CPU ones (AssignRanks), else waits. Only workers that
+// say they have what the job `needs` (features an older worker lacks) are
+// candidates. Errors other than too few workers (a mesh AssignRanks cannot
+// lay out) are returned.
+struct WorkerNeeds {
+  bool masked_lm = false;          // WorkerInfo.trains_masked_lm (RunsAMaskedLanguageModel)
+  bool fp16_loss_scaling = false;  // WorkerInfo.scales_fp16_loss (TrainsInFp16)
+};
 absl::StatusOr<PlacementDecision> PlaceJob(const DeviceMesh& mesh, int64_t memory_need,
                                            const std::vector<v1::Worker>& live,
-                                           const std::set<std::string>& unavailable, bool masked_lm = false);
+                                           const std::set<std::string>& unavailable, const WorkerNeeds& needs = {});
 
 // Whether a job's ranks run a masked language model (BERT): one that trains
 // it (TrainConfig.mask_token_id), or a forward pass of one (no next-token
 // loss; its labels are positions'). An older worker would train it on next
 // tokens, report a next-token loss, or refuse the labels: PlaceJob's
-// `masked_lm`.
+// WorkerNeeds::masked_lm.
 bool RunsAMaskedLanguageModel(const v1::JobSpec& spec);
+// Whether a job trains in fp16 mixed precision (an evaluation computes no
+// gradient): an older worker would refuse it, or, older still, train it
+// without loss scaling. WorkerNeeds::fp16_loss_scaling.
+bool TrainsInFp16(const v1::JobSpec& spec);
 
 }  // namespace colod
 

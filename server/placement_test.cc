@@ -182,14 +182,14 @@ TEST(PlaceJob, AMaskedLanguageModelGoesOnlyToWorkersThatTrainOne) {
   std::vector<v1::Worker> live = {Live("c0", "cpu"), Live("c1", "cpu"), Live("c2", "cpu")};
   live[0].mutable_info()->set_trains_masked_lm(true);
   live[2].mutable_info()->set_trains_masked_lm(true);
-  auto d = PlaceJob(Mesh(1, 2), 0, live, {}, /*masked_lm=*/true);
+  auto d = PlaceJob(Mesh(1, 2), 0, live, {}, WorkerNeeds{.masked_lm = true});
   ASSERT_TRUE(d.ok()) << d.status();
   ASSERT_TRUE(d->placed.has_value()) << d->waiting;
   std::vector<std::string> got = Ids(*d->placed);
   std::sort(got.begin(), got.end());
   EXPECT_EQ(got, (std::vector<std::string>{"c0", "c2"}));
   live[2].mutable_info()->set_trains_masked_lm(false);
-  d = PlaceJob(Mesh(1, 2), 0, live, {}, /*masked_lm=*/true);
+  d = PlaceJob(Mesh(1, 2), 0, live, {}, WorkerNeeds{.masked_lm = true});
   ASSERT_TRUE(d.ok()) << d.status();
   EXPECT_FALSE(d->placed.has_value());
   EXPECT_EQ(d->waiting,
@@ -215,6 +215,48 @@ TEST(PlaceJob, AMaskedLanguageModelGoesOnlyToWorkersThatTrainOne) {
   EXPECT_FALSE(RunsAMaskedLanguageModel(spec));
   spec.set_kind(v1::JOB_KIND_TENSOR);
   EXPECT_FALSE(RunsAMaskedLanguageModel(spec));
+}
+
+// A job that trains in fp16 goes only to workers that scale its loss: an
+// older worker refuses it, or (older still) trains it unscaled, its
+// replica's gradients then off by the scale.
+TEST(PlaceJob, AnFp16TrainingJobGoesOnlyToWorkersThatScaleItsLoss) {
+  std::vector<v1::Worker> live = {Live("c0", "cpu"), Live("c1", "cpu"), Live("c2", "cpu")};
+  live[1].mutable_info()->set_scales_fp16_loss(true);
+  live[2].mutable_info()->set_scales_fp16_loss(true);
+  auto d = PlaceJob(Mesh(1, 2), 0, live, {}, WorkerNeeds{.fp16_loss_scaling = true});
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_TRUE(d->placed.has_value()) << d->waiting;
+  std::vector<std::string> got = Ids(*d->placed);
+  std::sort(got.begin(), got.end());
+  EXPECT_EQ(got, (std::vector<std::string>{"c1", "c2"}));
+  // Needing both, only a worker with both will do.
+  live[1].mutable_info()->set_trains_masked_lm(true);
+  d = PlaceJob(Mesh(1, 1), 0, live, {}, WorkerNeeds{.masked_lm = true, .fp16_loss_scaling = true});
+  ASSERT_TRUE(d.ok() && d->placed.has_value());
+  EXPECT_EQ(Ids(*d->placed), std::vector<std::string>{"c1"});
+  d = PlaceJob(Mesh(1, 2), 0, live, {}, WorkerNeeds{.masked_lm = true, .fp16_loss_scaling = true});
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_FALSE(d->placed.has_value());
+  EXPECT_NE(d->waiting.find("2 more of an older colod, which trains no masked language model or scales no fp16 "
+                            "run's loss (upgrade them)"),
+            std::string::npos)
+      << d->waiting;
+  // Which jobs those are: training in fp16, not evaluating in it, nor
+  // training at another precision.
+  v1::JobSpec spec;
+  spec.set_kind(v1::JOB_KIND_TRAIN);
+  EXPECT_FALSE(TrainsInFp16(spec));
+  spec.mutable_train()->set_precision(v1::PRECISION_FP16_MIXED);
+  EXPECT_TRUE(TrainsInFp16(spec));
+  spec.mutable_train()->set_eval_only(true);
+  EXPECT_FALSE(TrainsInFp16(spec));
+  spec.mutable_train()->set_eval_only(false);
+  spec.mutable_train()->set_precision(v1::PRECISION_BF16_MIXED);
+  EXPECT_FALSE(TrainsInFp16(spec));
+  spec.mutable_train()->set_precision(v1::PRECISION_FP16_MIXED);
+  spec.set_kind(v1::JOB_KIND_FORWARD);
+  EXPECT_FALSE(TrainsInFp16(spec));
 }
 
 }  // namespace

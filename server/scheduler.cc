@@ -300,7 +300,8 @@ void Scheduler::ScheduleQueued() {
     unavailable.insert(taken.begin(), taken.end());
     absl::StatusOr<PlacementDecision> decision =
         PlaceJob(*mesh, job.memory_floor().total_bytes(), live, unavailable,
-                 !every_worker_runs_masked_lms && RunsAMaskedLanguageModel(job.spec()));
+                 WorkerNeeds{.masked_lm = !every_worker_runs_masked_lms && RunsAMaskedLanguageModel(job.spec()),
+                             .fp16_loss_scaling = TrainsInFp16(job.spec())});
     if (!decision.ok()) {
       waiting_.erase(job.job_id());
       (void)jobs_->SetState(job.job_id(), v1::JOB_STATE_FAILED, decision.status().message());

@@ -179,8 +179,21 @@ absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shar
   }
   if (!v1::Optimizer_IsValid(t.optimizer())) return Invalid(path, "optimizer", "unknown value");
   if (!v1::Precision_IsValid(t.precision())) return Invalid(path, "precision", "unknown value");
-  if (t.precision() == v1::PRECISION_FP16_MIXED && !t.eval_only()) {  // (an evaluation has no gradients)
-    return Invalid(path, "precision", kFp16TrainingRefused);
+  if (t.has_loss_scale() || t.loss_scale_window() != 0) {
+    if (t.precision() != v1::PRECISION_FP16_MIXED && t.precision() != v1::PRECISION_UNSPECIFIED) {
+      return Invalid(path, t.has_loss_scale() ? "loss_scale" : "loss_scale_window",
+                     "only fp16 training (PRECISION_FP16_MIXED) scales its loss");
+    }
+    if (t.has_loss_scale()) {
+      if (absl::Status scale = CheckLossScale(t.loss_scale(), 1); !scale.ok()) {
+        return Invalid(path, "loss_scale", scale.message());
+      }
+    }
+    if (t.loss_scale_window() != 0) {
+      if (absl::Status window = CheckLossScale(1, t.loss_scale_window()); !window.ok()) {
+        return Invalid(path, "loss_scale_window", window.message());
+      }
+    }
   }
   if (!v1::Recompute_IsValid(t.recompute())) return Invalid(path, "recompute", "unknown value");
   if (absl::Status format = CheckDataFormat(t.data_format()); !format.ok()) {
@@ -445,6 +458,18 @@ absl::Status CheckDataFormat(const std::string& format) {
   return absl::InvalidArgumentError(
       absl::StrCat("'", EscapedPrefix(format, 64), "' is not one of ",
                    absl::StrJoin(std::begin(kDataFormats), std::end(kDataFormats), ", ")));
+}
+
+absl::Status CheckLossScale(double scale, int64_t window) {
+  int exponent = 0;
+  if (!(scale >= 1 && scale <= kMaxLossScale) || std::frexp(scale, &exponent) != 0.5) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(scale, " is not a power of two in [1, ", kMaxLossScale, "] (2^0 to 2^24)"));
+  }
+  if (window < 1 || window > kMaxLossScaleWindow) {
+    return absl::InvalidArgumentError(absl::StrCat(window, " steps is not in [1, ", kMaxLossScaleWindow, "]"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CheckModelDType(const std::string& dtype) {

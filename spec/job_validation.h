@@ -36,12 +36,13 @@ absl::Status CheckModelDType(const std::string& dtype);
 // bounded (above).
 absl::Status ValidateJobSpec(const v1::JobSpec& spec);
 
-// Why a TRAIN job in fp16 mixed precision is refused (by ValidateJobSpec and
-// the worker alike).
-inline constexpr char kFp16TrainingRefused[] =
-    "fp16 mixed precision is not trained: it needs loss scaling, which colod does not do yet (without it the "
-    "small gradients of a real model flush to zero in f16, and the run learns little, silently); train in bf16 "
-    "(PRECISION_BF16_MIXED, f32's range in 16 bits) or fp32";
+// fp16 training's loss scale (TrainConfig.loss_scale, loss_scale_window;
+// train::LossScaler): OK where `scale` is a power of two in [1,
+// kMaxLossScale] and `window` in [1, kMaxLossScaleWindow], else
+// INVALID_ARGUMENT saying which. ValidateJobSpec and the worker check by it.
+inline constexpr double kMaxLossScale = 16777216;  // 2^24
+inline constexpr int64_t kMaxLossScaleWindow = 1000000000;
+absl::Status CheckLossScale(double scale, int64_t window);
 // The most passes a training step accumulates (TrainConfig.grad_accum).
 inline constexpr int kMaxGradAccum = 65536;
 // The most micro-batches one training step runs: grad_accum passes of

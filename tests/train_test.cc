@@ -171,6 +171,33 @@ TEST(Train, TwoLayoutsOneRunAndAModelThatRunsAgain) {
     EXPECT_NEAR(lb[i]["loss"].get<double>(), la[i]["loss"].get<double>(), 1e-4 * la[i]["loss"].get<double>());
   }
   EXPECT_LT(la[4]["loss"].get<double>(), la[0]["loss"].get<double>());
+  // fp16 through the coordinator and a worker: each step says its loss
+  // scale, which doubles after every 2 steps without overflow (1024 is far
+  // from f16's overflow here), and the losses are the f32 run's within 1 %.
+  std::vector<std::string> fp16 = single;
+  fp16.insert(fp16.end(), {"--precision", "fp16", "--loss-scale", "1024", "--loss-scale-window", "2"});
+  const auto h = Coloctl(fp16);
+  ASSERT_EQ(h.code, 0) << h.err;
+  const auto lh = Lines(h.out);
+  ASSERT_EQ(lh.size(), 5u) << h.out;
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(lh[i]["loss_scale"], 1024 << (i / 2)) << lh[i];
+    EXPECT_EQ(lh[i]["update_skipped"], false) << lh[i];
+    EXPECT_NEAR(lh[i]["loss"].get<double>(), la[i]["loss"].get<double>(), 1e-2 * la[i]["loss"].get<double>());
+    EXPECT_FALSE(la[i].contains("loss_scale")) << la[i];
+  }
+  // A scale for another precision, or one that is not a power of two, is a
+  // usage error naming the field.
+  std::vector<std::string> wrong = single;
+  wrong.insert(wrong.end(), {"--precision", "bf16", "--loss-scale", "1024"});
+  const auto w = Coloctl(wrong);
+  EXPECT_EQ(w.code, 2) << w.err;
+  EXPECT_NE(w.err.find("loss_scale: only fp16 training"), std::string::npos) << w.err;
+  wrong = single;
+  wrong.insert(wrong.end(), {"--precision", "fp16", "--loss-scale", "1000"});
+  const auto n = Coloctl(wrong);
+  EXPECT_EQ(n.code, 2) << n.err;
+  EXPECT_NE(n.err.find("loss_scale: 1000 is not a power of two"), std::string::npos) << n.err;
   // Parameters split over tp = 2: rank 0 holds about half of them.
   EXPECT_LT(lb[0]["param_bytes"].get<int64_t>(), la[0]["param_bytes"].get<int64_t>());
   EXPECT_EQ(la[0]["optimizer_bytes"].get<int64_t>(), 2 * la[0]["param_bytes"].get<int64_t>());  // AdamW: m and v

@@ -1190,8 +1190,8 @@ absl::Status AdamW(int, const std::vector<AdamWTensor>& tensors, const AdamWHype
   return absl::OkStatus();
 }
 
-absl::Status GradNormClip(int, const float* squares, int64_t n, double max_norm, float* out) {
-  NormAndClipFactor(squares, n, max_norm, out);
+absl::Status GradNormClip(int, const float* squares, int64_t n, double max_norm, double loss_scale, float* out) {
+  NormAndClipFactor(squares, n, max_norm, loss_scale, out);
   return absl::OkStatus();
 }
 

@@ -1131,8 +1131,9 @@ __global__ void AdamWKernel(TensorList<AdamWTensor> list, AdamWHyper h) {
 }
 
 // GradNormClip's one thread: the CPU twin's code (kernels/clip.h).
-__global__ void GradNormClipKernel(const float* squares, int64_t n, double max_norm, float* out) {
-  NormAndClipFactor(squares, n, max_norm, out);
+__global__ void GradNormClipKernel(const float* squares, int64_t n, double max_norm, double loss_scale,
+                                   float* out) {
+  NormAndClipFactor(squares, n, max_norm, loss_scale, out);
 }
 
 // ---- Fused attention (FlashAttention, FlashAttentionBackward) ----
@@ -3451,9 +3452,10 @@ absl::Status AdamW(int device, const std::vector<AdamWTensor>& tensors, const Ad
   });
 }
 
-absl::Status GradNormClip(int device, const float* squares, int64_t n, double max_norm, float* out) {
+absl::Status GradNormClip(int device, const float* squares, int64_t n, double max_norm, double loss_scale,
+                          float* out) {
   COLOD_CUDA_BEGIN(stream, device);
-  Launch(GradNormClipKernel, 1, 1, stream, squares, n, max_norm, out);
+  Launch(GradNormClipKernel, 1, 1, stream, squares, n, max_norm, loss_scale, out);
   return Finish("GradNormClipKernel");
 }
 

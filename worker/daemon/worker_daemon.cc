@@ -260,6 +260,7 @@ absl::StatusOr<std::unique_ptr<WorkerDaemon>> WorkerDaemon::Start(Options option
   w->info_.set_agrees_on_resume(true);     // AssignJobRequest.agree_on_resume
   w->info_.set_drains(true);               // JobRunner::Drain, RankHooks::drain
   w->info_.set_trains_masked_lm(true);     // TrainConfig.mask_token_id
+  w->info_.set_scales_fp16_loss(true);     // TrainConfig.loss_scale
   for (const auto& [k, v] : options.labels) (*w->info_.mutable_labels())[k] = v;
 
   if (options.coordinator.empty()) {

@@ -121,12 +121,16 @@ Variable RecordOfferTakingOp(std::string name, const std::vector<Variable>& inpu
   return Record(std::move(name), inputs, std::move(output), nullptr, nullptr, std::move(backward));
 }
 
-absl::Status Backward(const Variable& root) {
+absl::Status Backward(const Variable& root, float seed) {
   if (root.value().numel() != 1) {
     return absl::InvalidArgumentError(absl::StrCat("Backward needs a scalar root or an explicit gradient; the root has shape ",
                                                    ShapeToString(root.value().shape())));
   }
-  ASSIGN_OR_RETURN(Tensor one, Tensor::FromFloats(root.value().shape(), {1.0f}, root.value().dtype()));
+  ASSIGN_OR_RETURN(Tensor one, Tensor::FromFloats(root.value().shape(), {seed}, root.value().dtype()));
+  if (seed != 1.0f && one.ToFloats() != std::vector<float>{seed}) {
+    return absl::InvalidArgumentError(absl::StrCat("a backward seeded with ", seed, " needs a root that holds it, not ",
+                                                   DTypeName(root.value().dtype())));
+  }
   ASSIGN_OR_RETURN(one, one.To(root.value().device()));
   return Backward(root, one);
 }

@@ -115,8 +115,10 @@ using OfferTakingBackwardFn =
 Variable RecordOfferTakingOp(std::string name, const std::vector<Variable>& inputs, Tensor output,
                              OfferTakingBackwardFn backward);
 
-// Back-propagates from a scalar (one element) root with gradient 1.
-absl::Status Backward(const Variable& root);
+// Back-propagates from a scalar (one element) root with gradient `seed`:
+// 1, or fp16 training's loss scale (train::LossScaler), which the root's
+// dtype must hold exactly (INVALID_ARGUMENT otherwise).
+absl::Status Backward(const Variable& root, float seed = 1.0f);
 // Back-propagates `grad` (same shape as root) from any root.
 absl::Status Backward(const Variable& root, const Tensor& grad);
 

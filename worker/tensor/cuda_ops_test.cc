@@ -1142,11 +1142,13 @@ TEST_F(CudaLayerOps, GradNormClipHasTheCpuTwinsBits) {
   for (int i = 0; i < 37; ++i) sq.push_back(0.37f * static_cast<float>(i * i % 11) + 1e-6f * static_cast<float>(i));
   const Tensor squares = *Tensor::FromFloats({37}, sq);
   for (double max_norm : {0.0, 1.0, 5.0, 1e3}) {
-    const absl::StatusOr<Tensor> cpu = GradNormClip(squares, max_norm);
-    const absl::StatusOr<Tensor> gpu = GradNormClip(Dev(squares), max_norm);
-    ASSERT_TRUE(cpu.ok() && gpu.ok()) << cpu.status() << gpu.status();
-    EXPECT_TRUE(gpu->device().is_cuda());
-    EXPECT_EQ(gpu->ToBytes(), cpu->ToBytes()) << "max_norm " << max_norm;
+    for (double loss_scale : {1.0, 65536.0}) {  // (fp16's scale unscales the norm and the factor)
+      const absl::StatusOr<Tensor> cpu = GradNormClip(squares, max_norm, loss_scale);
+      const absl::StatusOr<Tensor> gpu = GradNormClip(Dev(squares), max_norm, loss_scale);
+      ASSERT_TRUE(cpu.ok() && gpu.ok()) << cpu.status() << gpu.status();
+      EXPECT_TRUE(gpu->device().is_cuda());
+      EXPECT_EQ(gpu->ToBytes(), cpu->ToBytes()) << "max_norm " << max_norm << " loss scale " << loss_scale;
+    }
   }
 }
 

@@ -115,7 +115,8 @@ struct DeviceKernels {
                                          int64_t d, float scale, bool causal, kernels::AttentionBias extra,
                                          kernels::AttentionLayout layout);
   absl::Status (*AdamW)(int device, const std::vector<kernels::AdamWTensor>& tensors, const kernels::AdamWHyper& h);
-  absl::Status (*GradNormClip)(int device, const float* squares, int64_t n, double max_norm, float* out);
+  absl::Status (*GradNormClip)(int device, const float* squares, int64_t n, double max_norm, double loss_scale,
+                               float* out);
   absl::Status (*GemmF32Out)(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                              const void* a, const void* b, float* c, bool accumulate);
   absl::Status (*GemmBias)(int device, ElemType type, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,

@@ -1274,7 +1274,11 @@ absl::Status AdamW(const std::vector<AdamWParam>& params, int64_t step, const Ad
   return k->AdamW(dev.index, list, h);
 }
 
-absl::StatusOr<Tensor> GradNormClip(const Tensor& squares, double max_norm) {
+absl::StatusOr<Tensor> GradNormClip(const Tensor& squares, double max_norm, double loss_scale) {
+  if (!(loss_scale >= 1) || !std::isfinite(loss_scale)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("grad norm: the loss scale ", loss_scale, " is not finite and >= 1"));
+  }
   if (squares.dtype() != DType::kF32 || squares.dim() != 1) {
     return absl::InvalidArgumentError(absl::StrCat("grad norm: the squares must be f32 [n], got ",
                                                    DTypeName(squares.dtype()), ShapeToString(squares.shape())));
@@ -1282,7 +1286,8 @@ absl::StatusOr<Tensor> GradNormClip(const Tensor& squares, double max_norm) {
   ASSIGN_OR_RETURN(const Tensor in, squares.TryContiguous());
   ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({2}, DType::kF32, in.device()));
   ASSIGN_OR_RETURN(const DeviceKernels* k, KernelsFor(in.device()));
-  RETURN_IF_ERROR(k->GradNormClip(in.device().index, in.data<float>(), in.numel(), max_norm, out.data<float>()));
+  RETURN_IF_ERROR(
+      k->GradNormClip(in.device().index, in.data<float>(), in.numel(), max_norm, loss_scale, out.data<float>()));
   return out;
 }
 

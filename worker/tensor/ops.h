@@ -357,8 +357,11 @@ absl::Status AdamW(const std::vector<AdamWParam>& params, int64_t step, const Ad
 // norm's sums of squares, added in order in double), on their device: a
 // new [2] f32 tensor there, the norm and kernels::ClipFactor(norm, max_norm)
 // (kernels/clip.h), the bits the host computes from the same squares. The
-// factor's view is AdamWOptions::grad_scale_at.
-absl::StatusOr<Tensor> GradNormClip(const Tensor& squares, double max_norm);
+// factor's view is AdamWOptions::grad_scale_at. `loss_scale` (>= 1, a power
+// of two under the trainer): the squares are of gradients scaled by it
+// (fp16's loss scaling); the norm is divided by it, and so is the factor,
+// which then unscales the gradients as the update reads them.
+absl::StatusOr<Tensor> GradNormClip(const Tensor& squares, double max_norm, double loss_scale = 1.0);
 
 }  // namespace colod::ops
 

@@ -704,6 +704,23 @@ TEST(CpuKernels, GradNormClipIsTheNormAndTorchsFactor) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(GradNormClip(*Tensor::Zeros({2}, DType::kBF16), 1.0).status().code(),
             absl::StatusCode::kInvalidArgument);
+  // Squares of gradients scaled by a loss scale S (fp16): the norm is
+  // theirs over S, the factor torch's of that norm over S (what turns the
+  // scaled gradients into the clipped ones), exact for a power of two.
+  for (const double scale : {2.0, 1024.0, 65536.0}) {
+    for (const double max_norm : {0.0, 1.0, 100.0}) {
+      const absl::StatusOr<Tensor> out = GradNormClip(squares, max_norm, scale);
+      ASSERT_TRUE(out.ok()) << out.status();
+      const std::vector<float> got = out->ToFloats();
+      const double unscaled = norm / scale;
+      EXPECT_EQ(got[0], static_cast<float>(unscaled)) << scale;
+      const double want = (max_norm > 0 && unscaled > max_norm ? max_norm / (unscaled + 1e-6) : 1.0) / scale;
+      EXPECT_EQ(got[1], static_cast<float>(want)) << scale << " " << max_norm;
+    }
+  }
+  for (const double bad : {0.5, 0.0, -2.0, static_cast<double>(NAN), static_cast<double>(INFINITY)}) {
+    EXPECT_EQ(GradNormClip(squares, 1.0, bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
 }
 
 // The fused attention reads q, k and v in place where they are slices of one

@@ -216,6 +216,25 @@ absl::StatusOr<std::optional<int64_t>> MaskTokenIdField(const Json& state, const
   return std::optional<int64_t>(state["mask_token_id"].get<int64_t>());
 }
 
+// fp16's loss scale a checkpoint records, with its good steps (none: another
+// precision, or written before 2026-12-08); INVALID_ARGUMENT where they are
+// not a scale LossScaler takes (its window aside).
+absl::StatusOr<std::optional<std::pair<double, int64_t>>> LossScaleField(const Json& state, const std::string& where) {
+  if (!state.contains("loss_scale")) return std::optional<std::pair<double, int64_t>>();
+  const Json& l = state["loss_scale"];
+  if (!l.is_object() || !l.contains("scale") || !l["scale"].is_number() || !l.contains("good_steps") ||
+      !l["good_steps"].is_number_integer()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": loss_scale: not {\"scale\": S, \"good_steps\": N}"));
+  }
+  const double scale = l["scale"].get<double>();
+  const int64_t good = l["good_steps"].get<int64_t>();
+  if (absl::Status valid = CheckLossScale(scale, LossScaler::kMaxWindow); !valid.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": loss_scale: ", valid.message()));
+  }
+  if (good < 0) return absl::InvalidArgumentError(absl::StrCat(where, ": loss_scale: ", good, " good steps"));
+  return std::optional<std::pair<double, int64_t>>(std::make_pair(scale, good));
+}
+
 // Every file of a step directory whose train_state.json reads as `state`
 // opens and validates.
 absl::Status ValidateFiles(const std::string& step_dir, const Json& state) {
@@ -232,6 +251,7 @@ absl::Status ValidateFiles(const std::string& step_dir, const Json& state) {
   RETURN_IF_ERROR(SeedField(state, where).status());
   RETURN_IF_ERROR(SavedDataParallelSize(state, where).status());
   RETURN_IF_ERROR(MaskTokenIdField(state, where).status());
+  RETURN_IF_ERROR(LossScaleField(state, where).status());
   for (int r = 0; r < world; ++r) {
     for (const std::string& name :
          {absl::StrFormat("rank-%05d-of-%05d.safetensors", r, world), OptimFile(r, world)}) {
@@ -465,7 +485,8 @@ absl::Status SaveTrainingCheckpoint(shardformer::ShardedModel& model, Optimizer&
 absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*>& chunks, Optimizer& optimizer,
                                     const std::string& dir, int64_t step, uint64_t seed,
                                     std::optional<double> eval_loss, const CheckpointWriter& writer,
-                                    const std::string& report, std::optional<int64_t> mask_token_id) {
+                                    const std::string& report, std::optional<int64_t> mask_token_id,
+                                    const LossScaler* loss_scale) {
   if (chunks.empty()) return absl::InvalidArgumentError("a checkpoint of no model chunk");
   RETURN_IF_ERROR(writer.Check());
   shardformer::ShardedModel& model = *chunks.front();
@@ -544,6 +565,9 @@ absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*
               {"param_dtype", std::string(DTypeName(model.shard_config().param_dtype))}};
     if (eval_loss.has_value() && std::isfinite(*eval_loss)) j["eval_loss"] = *eval_loss;
     if (mask_token_id.has_value()) j["mask_token_id"] = *mask_token_id;
+    if (loss_scale != nullptr) {
+      j["loss_scale"] = {{"scale", loss_scale->scale()}, {"good_steps", loss_scale->good_steps()}};
+    }
     if (!writer.job.empty()) j["job"] = writer.job;
     if (!writer.lineage.empty()) j["lineage"] = writer.lineage;
     if (writer.generation > 0) j["generation"] = writer.generation;
@@ -831,6 +855,11 @@ absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint) {
     r.param_dtype = *dtype;
   }
   ASSIGN_OR_RETURN(r.mask_token_id, MaskTokenIdField(state, where));
+  ASSIGN_OR_RETURN(const auto scale, LossScaleField(state, where));  // (scale, good steps)
+  if (scale.has_value()) {
+    r.loss_scale = scale->first;
+    r.loss_scale_good_steps = scale->second;
+  }
   return r;
 }
 

@@ -126,11 +126,13 @@ absl::Status SaveTrainingCheckpoint(shardformer::ShardedModel& model, Optimizer&
 // train_state.json so that a restart can report it again
 // (Resumed::report). `mask_token_id`: a masked language model's, recorded
 // so that a resume masks as the run did (Resumed::mask_token_id).
+// `loss_scale`: fp16's, after the step, recorded so that a resume scales as
+// the run would have (Resumed::loss_scale).
 absl::Status SaveTrainingCheckpoint(const std::vector<shardformer::ShardedModel*>& chunks, Optimizer& optimizer,
                                     const std::string& dir, int64_t step, uint64_t seed,
                                     std::optional<double> eval_loss = std::nullopt, const CheckpointWriter& writer = {},
-                                    const std::string& report = "",
-                                    std::optional<int64_t> mask_token_id = std::nullopt);
+                                    const std::string& report = "", std::optional<int64_t> mask_token_id = std::nullopt,
+                                    const LossScaler* loss_scale = nullptr);
 
 // A worker's path policy (--allow-path: PathPolicy::Check) for what a
 // directory a job names holds: PERMISSION_DENIED for a path that resolves
@@ -230,6 +232,11 @@ struct Resumed {
   // model, and in a checkpoint of before 2026-12-07 (a BERT then trained on
   // next tokens).
   std::optional<int64_t> mask_token_id;
+  // fp16's loss scale after the checkpoint's step and the steps in a row
+  // without overflow since it last changed (LossScaler); none for another
+  // precision, and in a checkpoint of before 2026-12-08.
+  std::optional<double> loss_scale;
+  int64_t loss_scale_good_steps = 0;
 };
 // The step, seed and writer a checkpoint records.
 absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint);

@@ -56,9 +56,7 @@ absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const
     case v1::PRECISION_BF16_MIXED:
       o.shard.param_dtype = DType::kBF16;
       break;
-    case v1::PRECISION_FP16_MIXED:  // evaluated only: it trains nothing, so needs no loss scaling
-      if (!t.eval_only())
-        return absl::InvalidArgumentError(absl::StrCat("spec.train.precision: ", kFp16TrainingRefused));
+    case v1::PRECISION_FP16_MIXED:  // its loss scaled (LossScaler)
       o.shard.param_dtype = DType::kF16;
       break;
     default:
@@ -100,6 +98,8 @@ absl::StatusOr<TrainOptions> TrainOptionsFromSpec(const v1::JobSpec& spec, const
   o.keep_last = t.keep_last();
   o.keep_best = t.keep_best();
   if (t.has_mask_token_id()) o.mask_token_id = t.mask_token_id();
+  if (t.has_loss_scale()) o.loss_scale = t.loss_scale();
+  if (t.loss_scale_window() != 0) o.loss_scale_window = t.loss_scale_window();
   return o;
 }
 
@@ -162,6 +162,8 @@ v1::JobSpec SpecFromTrainOptions(const TrainOptions& o) {
   t.set_keep_last(static_cast<int32_t>(o.keep_last));
   t.set_keep_best(o.keep_best);
   if (o.mask_token_id.has_value()) t.set_mask_token_id(*o.mask_token_id);
+  if (o.loss_scale != LossScaler::kDefaultInitial) t.set_loss_scale(o.loss_scale);
+  if (o.loss_scale_window != LossScaler::kDefaultWindow) t.set_loss_scale_window(o.loss_scale_window);
   return spec;
 }
 
@@ -196,6 +198,8 @@ v1::StepProgress StepProgressOf(const StepStats& st) {
   p.set_tokens(st.step_tokens);
   p.set_learning_rate(st.lr);
   p.set_grad_norm(st.grad_norm);
+  if (st.loss_scale > 0) p.set_loss_scale(st.loss_scale);
+  p.set_update_skipped(st.update_skipped);
   p.set_tokens_per_second(st.tokens_per_second);
   *p.mutable_step_duration() = ToProtoDuration(absl::Seconds(st.seconds));
   p.set_param_bytes(st.param_bytes);

@@ -29,19 +29,22 @@ TEST(JobOptions, AnUnspecifiedPrecisionIsTheDevicesDefault) {
       EXPECT_EQ(o->shard.param_dtype, dtype) << precision << " cuda " << cuda;
     }
   }
-  // fp16 is refused, on every device: it trains only with loss scaling. An
-  // evaluation (no gradients) takes it.
+  // fp16 trains with its loss scaled: GradScaler's defaults unless the
+  // spec names a scale and window.
   spec.mutable_train()->set_precision(v1::PRECISION_FP16_MIXED);
   for (bool cuda : {false, true}) {
-    const absl::Status fp16 = TrainOptionsFromSpec(spec, "/m", cuda).status();
-    EXPECT_EQ(fp16.code(), absl::StatusCode::kInvalidArgument) << fp16;
-    EXPECT_NE(fp16.message().find("it needs loss scaling"), std::string::npos) << fp16;
-    spec.mutable_train()->set_eval_only(true);
-    absl::StatusOr<TrainOptions> eval = TrainOptionsFromSpec(spec, "/m", cuda);
-    ASSERT_TRUE(eval.ok()) << eval.status();
-    EXPECT_EQ(eval->shard.param_dtype, DType::kF16);
-    spec.mutable_train()->set_eval_only(false);
+    absl::StatusOr<TrainOptions> fp16 = TrainOptionsFromSpec(spec, "/m", cuda);
+    ASSERT_TRUE(fp16.ok()) << fp16.status();
+    EXPECT_EQ(fp16->shard.param_dtype, DType::kF16);
+    EXPECT_EQ(fp16->loss_scale, 65536);
+    EXPECT_EQ(fp16->loss_scale_window, 2000);
   }
+  spec.mutable_train()->set_loss_scale(256);
+  spec.mutable_train()->set_loss_scale_window(50);
+  absl::StatusOr<TrainOptions> scaled = TrainOptionsFromSpec(spec, "/m", false);
+  ASSERT_TRUE(scaled.ok()) << scaled.status();
+  EXPECT_EQ(scaled->loss_scale, 256);
+  EXPECT_EQ(scaled->loss_scale_window, 50);
   spec.mutable_train()->set_precision(static_cast<v1::Precision>(99));
   EXPECT_EQ(TrainOptionsFromSpec(spec, "/m", true).status().code(), absl::StatusCode::kInvalidArgument);
 }

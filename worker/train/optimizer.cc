@@ -375,11 +375,11 @@ absl::StatusOr<double> GlobalGradNorm(const Optimizer& optimizer, ProcessGroup* 
 }
 
 absl::StatusOr<DeviceClip> ClipOnDevice(const Optimizer& optimizer, double max_norm, ProcessGroup* pg,
-                                        const NormOrder* order) {
+                                        const NormOrder* order, double loss_scale) {
   ASSIGN_OR_RETURN(const OptimizerGrads g, GradsOf(optimizer));
   ASSIGN_OR_RETURN(Squares sq, SquaresOf(g.of, g.grads, g.whole, optimizer.partition().over_dp, g.device, pg, order));
   DeviceClip clip;
-  ASSIGN_OR_RETURN(clip.norm_and_scale, ops::GradNormClip(sq.squares, max_norm));
+  ASSIGN_OR_RETURN(clip.norm_and_scale, ops::GradNormClip(sq.squares, max_norm, loss_scale));
   ASSIGN_OR_RETURN(clip.scale, clip.norm_and_scale.Narrow(0, 1, 1));
   return clip;
 }
@@ -451,6 +451,34 @@ int64_t NormOrder::Slot(const std::string& name) const {
 }
 
 double ClipFactor(double norm, double max_norm) { return kernels::ClipFactor(norm, max_norm); }
+
+absl::StatusOr<LossScaler> LossScaler::Create(double scale, int64_t window, int64_t good_steps) {
+  if (absl::Status valid = CheckLossScale(scale, window); !valid.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("loss scale: ", valid.message()));
+  }
+  if (good_steps < 0 || good_steps >= window) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("loss scale: ", good_steps, " good steps is not in [0, the window, ", window, ")"));
+  }
+  return LossScaler(scale, window, good_steps);
+}
+
+absl::StatusOr<bool> LossScaler::Update(double norm) {
+  if (!std::isfinite(norm)) {
+    if (scale_ <= 1) {
+      return absl::FailedPreconditionError(absl::StrCat("the gradients are not finite (norm ", norm,
+                                                        ") at a loss scale of 1: no scale keeps them in fp16's range"));
+    }
+    scale_ /= 2;
+    good_steps_ = 0;
+    return false;
+  }
+  if (++good_steps_ >= window_) {
+    scale_ = std::min(scale_ * 2, kMax);
+    good_steps_ = 0;
+  }
+  return true;
+}
 
 absl::StatusOr<double> ClipGradNorm(const std::vector<NamedParam>& params, double max_norm, ProcessGroup* pg) {
   ASSIGN_OR_RETURN(double norm, GlobalGradNorm(params, pg));

@@ -21,12 +21,13 @@
 #ifndef COLOD_WORKER_TRAIN_OPTIMIZER_H_
 #define COLOD_WORKER_TRAIN_OPTIMIZER_H_
 
+#include <map>
 #include <optional>
 #include <string>
-#include <map>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "spec/job_validation.h"
 #include "worker/shardformer/module.h"
 
 namespace colod::train {
@@ -183,12 +184,52 @@ double ClipFactor(double norm, double max_norm);
 // update is enqueued, so the device does not wait for the host between
 // backward and the update. Collective as GlobalGradNorm; a failed all-reduce
 // is seen by ProcessGroup::AsyncError once the host has read the norm.
+// `loss_scale`: the gradients are the loss's scaled by it (fp16,
+// LossScaler): the norm is theirs divided by it, and the factor unscales
+// them too (ops::GradNormClip).
 struct DeviceClip {
   Tensor norm_and_scale;
   Tensor scale;  // norm_and_scale's element 1
 };
 absl::StatusOr<DeviceClip> ClipOnDevice(const Optimizer& optimizer, double max_norm, ProcessGroup* pg,
-                                        const NormOrder* order = nullptr);
+                                        const NormOrder* order = nullptr, double loss_scale = 1.0);
+
+// fp16 mixed precision's dynamic loss scale, torch.cuda.amp.GradScaler's
+// rule: the backward starts from the loss times scale() so that small
+// gradients stay above f16's smallest (6e-8) instead of flushing to zero;
+// the update unscales them (ClipOnDevice). A step whose gradients overflowed
+// (a norm that is not finite) updates nothing and halves the scale; after
+// `window` steps in a row that did not, the scale doubles (at most kMax).
+// Every rank decides alike: the norm is the global one. The scale is a
+// power of two, so scaling and unscaling are exact.
+// Thread-safety: a plain value, of one rank thread.
+class LossScaler {
+ public:
+  static constexpr double kDefaultInitial = 65536;  // GradScaler's init_scale, 2^16
+  static constexpr int64_t kDefaultWindow = 2000;   // its growth_interval
+  static constexpr double kMax = kMaxLossScale;     // 2^24
+  static constexpr int64_t kMaxWindow = kMaxLossScaleWindow;
+  // INVALID_ARGUMENT unless `scale` is a power of two in [1, kMax], `window`
+  // in [1, kMaxWindow] and `good_steps` in [0, window).
+  static absl::StatusOr<LossScaler> Create(double scale, int64_t window, int64_t good_steps = 0);
+  double scale() const { return scale_; }
+  int64_t window() const { return window_; }
+  // Steps in a row whose gradients did not overflow since the scale last
+  // changed (a checkpoint records it with the scale).
+  int64_t good_steps() const { return good_steps_; }
+  // After a step whose unscaled gradient norm is `norm`: whether its update
+  // runs (the norm is finite), the scale then updated for the next step.
+  // FAILED_PRECONDITION where the norm is not finite at a scale of 1: no
+  // scale keeps the gradients finite (the run diverged).
+  absl::StatusOr<bool> Update(double norm);
+
+ private:
+  LossScaler(double scale, int64_t window, int64_t good_steps)
+      : scale_(scale), window_(window), good_steps_(good_steps) {}
+  double scale_;
+  int64_t window_;
+  int64_t good_steps_;
+};
 // Scales every gradient by ClipFactor in place; returns the norm before
 // clipping.
 absl::StatusOr<double> ClipGradNorm(const std::vector<shardformer::NamedParam>& params, double max_norm,

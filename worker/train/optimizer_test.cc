@@ -100,6 +100,54 @@ TEST(Optimizer, ClipFactorIsTorchsClipGradNorm) {
   EXPECT_EQ(ClipFactor(4.0, 0.0), 1.0);  // clipping off
 }
 
+// torch.cuda.amp.GradScaler's rule, step by step: a norm that is not finite
+// (an overflow) skips the update and halves the scale; `window` finite ones
+// in a row double it (to at most 2^24); an overflow at 1 is divergence.
+TEST(LossScaler, HalvesOnOverflowAndDoublesAfterItsWindow) {
+  absl::StatusOr<LossScaler> s = LossScaler::Create(8, 3);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(*s->Update(INFINITY), false);
+  EXPECT_EQ(s->scale(), 4);
+  EXPECT_EQ(*s->Update(NAN), false);
+  EXPECT_EQ(s->scale(), 2);
+  EXPECT_EQ(*s->Update(0.5), true);
+  EXPECT_EQ(*s->Update(1e30), true);
+  EXPECT_EQ(s->scale(), 2);
+  EXPECT_EQ(s->good_steps(), 2);
+  EXPECT_EQ(*s->Update(0.0), true);  // the window's third: doubled, counted anew
+  EXPECT_EQ(s->scale(), 4);
+  EXPECT_EQ(s->good_steps(), 0);
+  EXPECT_EQ(*s->Update(1.0), true);
+  EXPECT_EQ(*s->Update(-INFINITY), false);  // an overflow starts the count again
+  EXPECT_EQ(s->scale(), 2);
+  EXPECT_EQ(s->good_steps(), 0);
+  EXPECT_EQ(*s->Update(INFINITY), false);
+  EXPECT_EQ(s->scale(), 1);
+  const absl::StatusOr<bool> diverged = s->Update(INFINITY);
+  EXPECT_EQ(diverged.status().code(), absl::StatusCode::kFailedPrecondition) << diverged.status();
+  EXPECT_NE(diverged.status().message().find("at a loss scale of 1"), std::string::npos) << diverged.status();
+  // At the top it stays there.
+  absl::StatusOr<LossScaler> top = LossScaler::Create(LossScaler::kMax, 1);
+  ASSERT_TRUE(top.ok());
+  EXPECT_EQ(*top->Update(1.0), true);
+  EXPECT_EQ(top->scale(), LossScaler::kMax);
+  // A checkpoint's state resumes where it was.
+  absl::StatusOr<LossScaler> resumed = LossScaler::Create(1024, 4, 3);
+  ASSERT_TRUE(resumed.ok());
+  EXPECT_EQ(*resumed->Update(1.0), true);
+  EXPECT_EQ(resumed->scale(), 2048);
+  // What it refuses: a scale that is not a power of two in [1, 2^24], a
+  // window outside [1, 1e9], good steps outside [0, window).
+  for (const double bad :
+       {0.0, 0.5, 3.0, 1000.0, 33554432.0, static_cast<double>(NAN), static_cast<double>(INFINITY)}) {
+    EXPECT_EQ(LossScaler::Create(bad, 10).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  EXPECT_EQ(LossScaler::Create(2, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(LossScaler::Create(2, 1000000001).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(LossScaler::Create(2, 4, 4).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(LossScaler::Create(2, 4, -1).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(Schedule, WarmupThenCosine) {
   EXPECT_DOUBLE_EQ(LearningRate(0, 1.0, 4, 20, 0.1), 0.25);
   EXPECT_DOUBLE_EQ(LearningRate(3, 1.0, 4, 20, 0.1), 1.0);

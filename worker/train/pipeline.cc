@@ -52,15 +52,16 @@ absl::Status MakePipelineChannels(ProcessGroup& pg, int stages, int virtual_stag
 absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& model, ProcessGroup& pg, GradSync& sync,
                                                    const Tensor& inputs, const Tensor& labels, int64_t micro_batches,
                                                    int64_t step_labels, bool reduce, bool train,
-                                                   const Tensor* decoder_inputs) {
+                                                   const Tensor* decoder_inputs, double loss_scale) {
   return RunPipelineStep(std::vector<shardformer::ShardedModel*>{&model}, pg, sync, inputs, labels, micro_batches,
-                         step_labels, reduce, train, decoder_inputs);
+                         step_labels, reduce, train, decoder_inputs, loss_scale);
 }
 
 absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer::ShardedModel*>& chunks,
                                                    ProcessGroup& pg, GradSync& sync, const Tensor& inputs,
                                                    const Tensor& labels, int64_t micro_batches, int64_t step_labels,
-                                                   bool reduce, bool train, const Tensor* decoder_inputs) {
+                                                   bool reduce, bool train, const Tensor* decoder_inputs,
+                                                   double loss_scale) {
   if (chunks.empty()) return absl::InvalidArgumentError("pipeline: no model chunk");
   const ModelConfig& config = chunks.front()->config();
   const bool pairs = config.is_encoder_decoder();
@@ -296,7 +297,7 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
       // Each chunk's last task is its last micro-batch's backward.
       sync.set_enabled(reduce && i == m - 1);
       if (stage.last()) {
-        RETURN_IF_ERROR(Backward(f.loss));
+        RETURN_IF_ERROR(Backward(f.loss, static_cast<float>(loss_scale)));
       } else {
         ASSIGN_OR_RETURN(Tensor grad, take(from_next, t));
         RETURN_IF_ERROR(Backward(f.output->variable(), grad));

@@ -91,10 +91,12 @@ absl::Status MakePipelineChannels(ProcessGroup& pg, int stages, int virtual_stag
 // Collective over the pp group (and the groups the layers use).
 // An encoder-decoder (T5) takes its decoder's input ids [rows, decoder
 // seq] as `decoder_inputs` (required for one, refused for any other).
+// The last stage's backwards start from each loss times `loss_scale` (fp16's,
+// LossScaler), so every stage's gradients are scaled by it.
 absl::StatusOr<PipelineStepResult> RunPipelineStep(shardformer::ShardedModel& model, ProcessGroup& pg, GradSync& sync,
                                                    const Tensor& inputs, const Tensor& labels, int64_t micro_batches,
                                                    int64_t step_labels, bool reduce = true, bool train = true,
-                                                   const Tensor* decoder_inputs = nullptr);
+                                                   const Tensor* decoder_inputs = nullptr, double loss_scale = 1.0);
 // The interleaved schedule (InterleavedSchedule) over this rank's model
 // chunks, chunks[c] virtual stage c * pp + (its pp coordinate) of pp * V
 // (ShardConfig::virtual_stages): activations and gradients go between
@@ -106,7 +108,7 @@ absl::StatusOr<PipelineStepResult> RunPipelineStep(const std::vector<shardformer
                                                    ProcessGroup& pg, GradSync& sync, const Tensor& inputs,
                                                    const Tensor& labels, int64_t micro_batches, int64_t step_labels,
                                                    bool reduce = true, bool train = true,
-                                                   const Tensor* decoder_inputs = nullptr);
+                                                   const Tensor* decoder_inputs = nullptr, double loss_scale = 1.0);
 
 // `value` summed over the `axis` group of `pg`, through the rank's
 // `device` (NCCL reduces device memory), in f32. Collective over the group.

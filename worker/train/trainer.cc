@@ -302,6 +302,9 @@ struct PreparedTrain {
   std::optional<EvalPlan> eval;
   int64_t micro_rows = 0;
   int64_t step_batch = 0;  // sequences an optimizer step reads: batch_size * grad_accum
+  // fp16: the loss scale the first step starts from (the options', or the
+  // checkpoint's it resumes); none at another precision.
+  std::optional<LossScaler> loss_scale;
 };
 
 namespace {
@@ -352,7 +355,8 @@ absl::Status CheckFinalDir(const TrainOptions& o) {
 
 absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOptions& o) {
   if (o.steps < 1 || o.micro_batches < 1) return absl::InvalidArgumentError("steps and micro_batches must be >= 1");
-  if (o.shard.param_dtype == DType::kF16 && !o.eval_only) return absl::InvalidArgumentError(kFp16TrainingRefused);
+  // (fp16 scales its loss: checked at any precision, as a resume may take fp16.)
+  RETURN_IF_ERROR(LossScaler::Create(o.loss_scale, o.loss_scale_window).status());
   if (o.grad_accum < 1 || o.grad_accum > kMaxGradAccum) {
     return absl::InvalidArgumentError(
         absl::StrCat("grad_accum ", o.grad_accum, " is not in [1, ", kMaxGradAccum, "]"));
@@ -512,12 +516,13 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
                          << "trained " << config.model_type << " on next tokens, it now trains as a masked language "
                          << "model";
     }
-    if (run->options.shard.param_dtype == DType::kF16 && !o.eval_only) {  // a checkpoint of an older colod
-      return absl::InvalidArgumentError(absl::StrCat("the checkpoint to resume from, ", run->resume,
-                                                     ", was trained in fp16: ", kFp16TrainingRefused,
-                                                     " (start a run from its model: `coloctl consolidate "
-                                                     "--checkpoint ",
-                                                     run->resume, " --out DIR`)"));
+    // fp16's loss scale goes on from the checkpoint's (a checkpoint of an
+    // fp16 run of an older colod, which scaled nothing, records none: the
+    // run starts at the options' scale).
+    if (state.loss_scale.has_value() && run->options.shard.param_dtype == DType::kF16) {
+      ASSIGN_OR_RETURN(run->loss_scale,
+                       LossScaler::Create(*state.loss_scale, o.loss_scale_window,
+                                          std::min(state.loss_scale_good_steps, o.loss_scale_window - 1)));
     }
     run->seed = state.seed;  // the sampler continues the stream it was on
     // A run continued in a directory of checkpoints counts the runs it
@@ -545,6 +550,9 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   }
   run->micro_rows = rows / o.micro_batches;
   run->step_batch = *step_batch;
+  if (run->options.shard.param_dtype == DType::kF16 && !o.eval_only && !run->loss_scale.has_value()) {
+    ASSIGN_OR_RETURN(run->loss_scale, LossScaler::Create(o.loss_scale, o.loss_scale_window));
+  }
   const DataFormat format = ResolveDataFormat(o.data_path, o.data_format);
   const bool text = IsTextFormat(format) ||
                     (!o.eval_data_path.empty() && IsTextFormat(ResolveDataFormat(o.eval_data_path, o.data_format)));
@@ -789,8 +797,10 @@ std::string DivergedAdvice(int64_t step) {
                       "learning rate (lr), a longer warm-up (warmup_steps) or gradient clipping (clip_norm)");
 }
 
+// (fp16: a step whose gradients overflowed updated nothing and goes on at
+// half the scale; its loss is still the run's.)
 absl::Status FiniteStep(const StepStats& s) {
-  if (std::isfinite(s.loss) && std::isfinite(s.grad_norm)) return absl::OkStatus();
+  if (std::isfinite(s.loss) && (std::isfinite(s.grad_norm) || s.update_skipped)) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat("training diverged at step ", s.step, ": its loss is ", s.loss,
                                                     " and its gradient norm ", s.grad_norm, DivergedAdvice(s.step)));
 }
@@ -817,6 +827,8 @@ struct EnqueuedStep {
   double lr = 0;
   double loss = 0;  // the part the host read already (pipeline stages)
   double pipeline_wait = 0, pipeline_span = 0;
+  double loss_scale = 0;        // fp16: the scale its backward started from
+  bool update_skipped = false;  // fp16: its gradients overflowed, so it updated nothing
   // The norm and the clipping factor, then the micro-batches' loss sums:
   // their copy to the host, enqueued right after the step's work.
   std::optional<PendingRead> read;
@@ -926,12 +938,17 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   // same step on every rank.
   const bool drains = hooks.drain != nullptr && !o.save_dir.empty();
   bool draining = false;
+  // fp16's loss scale, updated as each step's norm is read (the same on
+  // every rank: the norm is global).
+  std::optional<LossScaler> scaler = run.loss_scale;
   // Enqueues step `step` (0-based): its forwards, backwards, dp sync and
   // update, up to the tensor its one read takes.
   auto enqueue = [&](int64_t step) -> absl::StatusOr<EnqueuedStep> {
     EnqueuedStep e;
     e.step = step;
     e.start = absl::Now();
+    const double loss_scale = scaler.has_value() ? scaler->scale() : 1.0;
+    if (scaler.has_value()) e.loss_scale = loss_scale;
     optimizer.ZeroGrad();
     // The step's rows on this replica: grad_accum passes of micro_batches
     // micro-batches each; the dp sync reduces after the last one.
@@ -949,7 +966,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
         ASSIGN_OR_RETURN(PipelineStepResult r,
                          RunPipelineStep(chunks, pg, *sync, batch.inputs, batch.labels, o.micro_batches, step_labels,
                                          /*reduce=*/last_pass, /*train=*/true,
-                                         run.data->pairs() ? &batch.decoder_inputs : nullptr));
+                                         run.data->pairs() ? &batch.decoder_inputs : nullptr, loss_scale));
         e.loss += r.loss;
         e.pipeline_wait += r.mean_wait_seconds;
         e.pipeline_span += r.span_seconds;
@@ -962,7 +979,7 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
         ASSIGN_OR_RETURN(const shardformer::LmLoss l,
                          MicroBatchLoss(*model, *run.data, batch, 0, micro_rows, step_labels,
                                         /*correct=*/nullptr, /*defer_read=*/true));
-        RETURN_IF_ERROR(Backward(l.loss));
+        RETURN_IF_ERROR(Backward(l.loss, static_cast<float>(loss_scale)));
         if (l.sum_on_device.has_value()) {
           loss_sums.push_back(*l.sum_on_device);
           e.loss_denominators.push_back(l.denominator);
@@ -977,10 +994,29 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     // update reads the factor there: without pipeline stages (whose steps
     // read each micro-batch's loss) and with AdamW (SGD reads the factor),
     // nothing waits for the device from the first forward to the update.
-    ASSIGN_OR_RETURN(const DeviceClip clip, ClipOnDevice(optimizer, o.clip_norm, &pg, &norm_order));
+    // (fp16: the factor unscales the gradients too.)
+    ASSIGN_OR_RETURN(const DeviceClip clip, ClipOnDevice(optimizer, o.clip_norm, &pg, &norm_order, loss_scale));
     e.lr = LearningRate(step, o.lr, o.warmup_steps, o.steps, o.min_lr);
-    RETURN_IF_ERROR(optimizer.Step(e.lr, clip.scale));  // clipping as the update reads
-    RETURN_IF_ERROR(sync->GatherParams());  // ZeRO: every replica gets the weights the others updated
+    if (scaler.has_value()) {
+      // fp16: whether the gradients overflowed decides whether the step
+      // updates, so the host reads the norm first (as GradScaler's step
+      // reads found_inf): every rank reads the same global norm and decides
+      // alike.
+      ASSIGN_OR_RETURN(PendingRead pending, clip.norm_and_scale.StartRead());
+      absl::StatusOr<std::vector<float>> norm = pending.Floats();
+      RETURN_IF_ERROR(pg.AsyncError());  // a communicator's failure says more
+      if (!norm.ok()) return norm.status();
+      const absl::StatusOr<bool> updates = scaler->Update((*norm)[0]);
+      if (!updates.ok()) {
+        return absl::FailedPreconditionError(absl::StrCat("training diverged at step ", step + 1, ": ",
+                                                          updates.status().message(), DivergedAdvice(step + 1)));
+      }
+      e.update_skipped = !*updates;
+    }
+    if (!e.update_skipped) {
+      RETURN_IF_ERROR(optimizer.Step(e.lr, clip.scale));  // clipping as the update reads
+      RETURN_IF_ERROR(sync->GatherParams());              // ZeRO: every replica gets the weights the others updated
+    }
     static_assert((3 + kMaxMicroBatchesPerStep) * sizeof(float) <= kernels::kMaxStartedRead,
                   "a step's losses are read at once");
     std::vector<Tensor> read = {clip.norm_and_scale};
@@ -1042,6 +1078,8 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
     s.loss = loss;
     s.lr = e.lr;
     s.grad_norm = values[0];
+    s.loss_scale = e.loss_scale;
+    s.update_skipped = e.update_skipped;
     // From the step's start, or from the previous step's read where the
     // step was enqueued before it: the device's time for the step where the
     // host runs ahead.
@@ -1077,10 +1115,10 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
       RETURN_IF_ERROR(FiniteEval(*s.eval, /*training=*/true));
     }
     if (saves_after(step + 1) || (draining && drain_saves && step + 1 < o.steps)) {
-      const absl::Status saved =
-          SaveTrainingCheckpoint(chunks, optimizer, o.save_dir, step + 1, run.seed,
-                                 s.eval.has_value() ? std::optional<double>(s.eval->loss) : std::nullopt, run.writer,
-                                 rank == 0 ? StepReportJson(s) : "", o.mask_token_id);
+      const absl::Status saved = SaveTrainingCheckpoint(
+          chunks, optimizer, o.save_dir, step + 1, run.seed,
+          s.eval.has_value() ? std::optional<double>(s.eval->loss) : std::nullopt, run.writer,
+          rank == 0 ? StepReportJson(s) : "", o.mask_token_id, scaler.has_value() ? &*scaler : nullptr);
       if (!saved.ok()) {
         // The step trained, and its checkpoint may be whole on disk all the
         // same (rank 0 renames it into place before the save's last agreement,

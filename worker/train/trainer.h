@@ -95,6 +95,12 @@ struct TrainOptions {
   // A masked language model's [MASK] id (TrainConfig.mask_token_id):
   // required for one (ModelConfig::masked_lm), refused for another.
   std::optional<int64_t> mask_token_id;
+  // fp16 (shard.param_dtype F16): the loss scale the run starts at and the
+  // steps without overflow after which it doubles (LossScaler;
+  // TrainConfig.loss_scale, loss_scale_window). A resume goes on from its
+  // checkpoint's scale. Other precisions scale nothing.
+  double loss_scale = LossScaler::kDefaultInitial;
+  int64_t loss_scale_window = LossScaler::kDefaultWindow;
   std::string resume_dir;     // if set, continue from its newest complete checkpoint, or from it if it is one
   // The coordinator's job and its generation (the worker daemon sets them;
   // none and 0 elsewhere): checkpoints are written through a temporary
@@ -152,6 +158,11 @@ struct StepStats {
   double loss = 0;
   double lr = 0;
   double grad_norm = 0;  // before clipping; computed on the device, rounded to f32
+  // fp16: the loss scale the step's backward started from (0: none), and
+  // whether its gradients overflowed at it (a norm that is not finite), so
+  // that it updated nothing and the next step's scale is half (LossScaler).
+  double loss_scale = 0;
+  bool update_skipped = false;
   double tokens_per_second = 0;  // images per second for an image classifier; input + target tokens for pairs
   // On a CUDA device: its memory pool after the step (kernels::GetCudaPoolBytes).
   bool cuda = false;

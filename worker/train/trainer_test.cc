@@ -1112,6 +1112,121 @@ TEST(Trainer, MixedPrecisionTracksTheF32RunWithF32MasterWeights) {
 // tp2 x dp2 and tp2 x pp2 through coloctl (tests/gpu_cli_test.cc), 2D for
 // every family (cuda_families_test), each family's stages
 // (pipeline_families_test).
+// fp16 mixed precision (f16's 10-bit mantissa, its range ending at 6e-8)
+// with its loss scaled: at tp2 x dp2 and with pipeline stages (whose last
+// stage seeds the scaled backward) the losses track the f32 run's within
+// 1 %, and the first step's gradient norm (before any update) is the f32
+// one's within 0.5 % (the scale is taken out of it: 65536 times off
+// otherwise). Every step updates at GradScaler's 65536 (its window of 2000
+// is not reached).
+TEST(Trainer, Fp16ScalesItsLossAndTracksTheF32Run) {
+  const std::string model = TinyModel("train_fp16");
+  const std::vector<StepStats> f32 = Losses(Options(model, 2, 2));
+  TrainOptions half = Options(model, 2, 2);
+  half.shard.param_dtype = DType::kF16;
+  const std::vector<StepStats> fp16 = Losses(half);
+  ASSERT_EQ(fp16.size(), f32.size());
+  for (size_t i = 0; i < f32.size(); ++i) {
+    EXPECT_NEAR(fp16[i].loss, f32[i].loss, 0.01 * f32[i].loss) << "step " << i + 1;
+    EXPECT_EQ(fp16[i].loss_scale, LossScaler::kDefaultInitial) << "step " << i + 1;
+    EXPECT_FALSE(fp16[i].update_skipped) << "step " << i + 1;
+    EXPECT_EQ(f32[i].loss_scale, 0);  // (f32 scales nothing)
+  }
+  EXPECT_LT(fp16.back().loss, fp16[0].loss - 0.5);
+  EXPECT_EQ(fp16[0].param_bytes * 2, f32[0].param_bytes);
+  EXPECT_NEAR(fp16[0].grad_norm, f32[0].grad_norm, 5e-3 * f32[0].grad_norm);
+  TrainOptions stages = half;
+  stages.shard.layout.set_tensor_parallel_size(1);
+  stages.shard.layout.set_pipeline_parallel_size(2);
+  stages.micro_batches = 2;
+  const std::vector<StepStats> piped = Losses(stages);
+  ASSERT_EQ(piped.size(), f32.size());
+  for (size_t i = 0; i < f32.size(); ++i) {
+    EXPECT_NEAR(piped[i].loss, f32[i].loss, 0.01 * f32[i].loss) << "pp 2 step " << i + 1;
+    EXPECT_EQ(piped[i].loss_scale, LossScaler::kDefaultInitial);
+  }
+}
+
+// A loss scale too large for f16 (2^24 times a gradient of 1e-2 is past
+// its 65504): each step whose gradients overflow is reported with a norm
+// that is not finite, updates nothing and halves the scale; two steps in a
+// row that do not (a window of 2) double it: GradScaler's rule, replayed
+// from what the run reported. A skipped step changes no weight: a run whose
+// one step overflowed saves the model it loaded (rounded to f16). A resume
+// goes on from its checkpoint's scale, with the whole run's losses and
+// scales bitwise (at the options' 2^24 it would overflow again).
+TEST(Trainer, Fp16StepsThatOverflowUpdateNothingAndHalveTheScale) {
+  const std::string model = TinyModel("train_fp16_overflow");
+  TrainOptions o = Options(model, 1, 2);
+  o.shard.param_dtype = DType::kF16;
+  o.loss_scale = LossScaler::kMax;
+  o.loss_scale_window = 2;
+  o.steps = 12;
+  o.save_dir = TempPath("fp16_overflow_ck");
+  o.save_every = 6;
+  const std::vector<StepStats> steps = Losses(o);
+  ASSERT_EQ(steps.size(), 12u);
+  ASSERT_TRUE(steps[0].update_skipped);
+  double scale = LossScaler::kMax;
+  int good = 0, updates = 0, doublings = 0;
+  for (const StepStats& s : steps) {
+    EXPECT_EQ(s.loss_scale, scale) << "step " << s.step;
+    EXPECT_EQ(s.update_skipped, !std::isfinite(s.grad_norm)) << "step " << s.step;
+    EXPECT_TRUE(std::isfinite(s.loss)) << "step " << s.step;
+    if (s.update_skipped) {
+      scale /= 2;
+      good = 0;
+    } else if (++updates, ++good == 2) {
+      scale = std::min(scale * 2, LossScaler::kMax);
+      good = 0;
+      ++doublings;
+    }
+  }
+  EXPECT_GE(updates, 3);
+  EXPECT_GE(doublings, 1);
+  // The checkpoint records the scale its next step starts from; one that is
+  // not a scale makes a damaged checkpoint.
+  const absl::StatusOr<Resumed> state = ReadTrainState(StepDir(o.save_dir, 6));
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ(state->loss_scale, steps[6].loss_scale);
+  const std::string damaged = StepDir(TempPath("fp16_damaged_ck"), 6);
+  std::filesystem::create_directories(damaged);
+  std::ofstream(damaged + "/train_state.json")
+      << R"({"step": 6, "seed": 7, "loss_scale": {"scale": 3, "good_steps": 0}})";
+  const absl::Status bad = ReadTrainState(damaged).status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
+  EXPECT_NE(bad.message().find("loss_scale: 3 is not a power of two"), std::string::npos) << bad;
+  // Resumed from step 6's checkpoint (a scale other than the options').
+  TrainOptions resumed = o;
+  resumed.save_dir.clear();
+  resumed.resume_dir = StepDir(o.save_dir, 6);
+  const std::vector<StepStats> rest = Losses(resumed);
+  ASSERT_EQ(rest.size(), 6u);
+  for (size_t i = 0; i < rest.size(); ++i) {
+    EXPECT_EQ(rest[i].loss, steps[i + 6].loss) << "step " << i + 7;
+    EXPECT_EQ(rest[i].loss_scale, steps[i + 6].loss_scale) << "step " << i + 7;
+    EXPECT_EQ(rest[i].update_skipped, steps[i + 6].update_skipped) << "step " << i + 7;
+  }
+  // One step, which overflows: the saved model is the loaded one in f16.
+  TrainOptions skipped = o;
+  skipped.steps = 1;
+  skipped.save_dir.clear();
+  skipped.final_dir = TempPath("fp16_overflow_final");
+  const std::vector<StepStats> first = Losses(skipped);
+  ASSERT_EQ(first.size(), 1u);
+  ASSERT_TRUE(first[0].update_skipped);
+  auto loaded = shardformer::ModelFiles::Open(model);
+  auto saved = shardformer::ModelFiles::Open(skipped.final_dir);
+  ASSERT_TRUE(loaded.ok() && saved.ok());
+  for (const std::string& name : (*saved)->Names()) {
+    const absl::StatusOr<Tensor> was = (*loaded)->Read(name);
+    const absl::StatusOr<Tensor> is = (*saved)->Read(name);
+    ASSERT_TRUE(was.ok() && is.ok()) << name;
+    EXPECT_EQ(is->dtype(), DType::kF16) << name;
+    EXPECT_EQ(is->ToBytes(), was->ToDType(DType::kF16)->ToBytes()) << name;
+  }
+}
+
 TEST(Trainer, OnGpusTheRunMatchesTheCpuRun) {
   const int gpus = kernels::CudaDeviceCount();
   if (gpus < 1) GTEST_SKIP() << "no CUDA device";
@@ -1140,6 +1255,16 @@ TEST(Trainer, OnGpusTheRunMatchesTheCpuRun) {
   const std::vector<StepStats> mixed = Losses(bf16);
   ASSERT_EQ(mixed.size(), cpu.size());
   for (size_t i = 0; i < cpu.size(); ++i) EXPECT_NEAR(mixed[i].loss, cpu[i].loss, 0.03 * cpu[i].loss) << i;
+  // fp16, its loss scaled (the norm read before each update).
+  TrainOptions fp16 = bf16;
+  fp16.shard.param_dtype = DType::kF16;
+  const std::vector<StepStats> half = Losses(fp16);
+  ASSERT_EQ(half.size(), cpu.size());
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    EXPECT_NEAR(half[i].loss, cpu[i].loss, 0.01 * cpu[i].loss) << i;
+    EXPECT_EQ(half[i].loss_scale, LossScaler::kDefaultInitial) << i;
+    EXPECT_FALSE(half[i].update_skipped) << i;
+  }
   if (gpus < 2) return;
   // Pipeline stages over NCCL send/recv (one-way channels, each its own
   // stream), with the tied table's gradient summed across the stages.
