@@ -7,8 +7,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -20,10 +20,11 @@
 #include "absl/flags/reflection.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
-#include "absl/synchronization/notification.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/format.h"
 #include "common/atomic_file.h"
@@ -429,8 +430,8 @@ void PrintStep(const v1::StepProgress& p, int64_t steps, bool json) {
           static_cast<long long>(steps), p.loss(), p.learning_rate(), p.grad_norm(), p.tokens_per_second(),
           !p.has_loss_scale() ? ""
           : p.update_skipped()
-              ? absl::StrCat("  loss_scale ", p.loss_scale(), " (overflowed: no update; the scale halves)").c_str()
-              : absl::StrCat("  loss_scale ", p.loss_scale()).c_str());
+              ? absl::StrFormat("  loss_scale %.0f (overflowed: no update; the scale halves)", p.loss_scale()).c_str()
+              : absl::StrFormat("  loss_scale %.0f", p.loss_scale()).c_str());
     }
     if (p.has_eval()) std::printf("eval %s\n", EvalSummary(p.eval()).c_str());
   }

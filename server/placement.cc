@@ -123,8 +123,11 @@ bool RunsAMaskedLanguageModel(const v1::JobSpec& spec) {
 }
 
 bool TrainsInFp16(const v1::JobSpec& spec) {
-  return spec.kind() == v1::JOB_KIND_TRAIN && spec.train().precision() == v1::PRECISION_FP16_MIXED &&
-         !spec.train().eval_only();
+  if (spec.kind() != v1::JOB_KIND_TRAIN || spec.train().eval_only()) return false;
+  // (A loss scale is refused at another precision: with auto, the job means
+  // to train fp16, or resume an fp16 checkpoint.)
+  return spec.train().precision() == v1::PRECISION_FP16_MIXED || spec.train().has_loss_scale() ||
+         spec.train().loss_scale_window() != 0;
 }
 
 }  // namespace colod

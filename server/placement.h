@@ -71,8 +71,10 @@ absl::StatusOr<PlacementDecision> PlaceJob(const DeviceMesh& mesh, int64_t memor
 // WorkerNeeds::masked_lm.
 bool RunsAMaskedLanguageModel(const v1::JobSpec& spec);
 // Whether a job trains in fp16 mixed precision (an evaluation computes no
-// gradient): an older worker would refuse it, or, older still, train it
-// without loss scaling. WorkerNeeds::fp16_loss_scaling.
+// gradient), or names a loss scale (with auto precision: a resume of an
+// fp16 checkpoint): an older worker would refuse it, or, older still, train
+// it without loss scaling. WorkerNeeds::fp16_loss_scaling. (A job at auto
+// that names no scale and resumes an fp16 checkpoint is not told apart.)
 bool TrainsInFp16(const v1::JobSpec& spec);
 
 }  // namespace colod

@@ -254,6 +254,14 @@ TEST(PlaceJob, AnFp16TrainingJobGoesOnlyToWorkersThatScaleItsLoss) {
   spec.mutable_train()->set_eval_only(false);
   spec.mutable_train()->set_precision(v1::PRECISION_BF16_MIXED);
   EXPECT_FALSE(TrainsInFp16(spec));
+  spec.mutable_train()->set_precision(v1::PRECISION_UNSPECIFIED);  // auto, naming a scale: to resume fp16
+  spec.mutable_train()->set_loss_scale(1024);
+  EXPECT_TRUE(TrainsInFp16(spec));
+  spec.mutable_train()->clear_loss_scale();
+  spec.mutable_train()->set_loss_scale_window(10);
+  EXPECT_TRUE(TrainsInFp16(spec));
+  spec.mutable_train()->set_loss_scale_window(0);
+  EXPECT_FALSE(TrainsInFp16(spec));
   spec.mutable_train()->set_precision(v1::PRECISION_FP16_MIXED);
   spec.set_kind(v1::JOB_KIND_FORWARD);
   EXPECT_FALSE(TrainsInFp16(spec));

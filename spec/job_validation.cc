@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/int_math.h"
 #include "common/json.h"
@@ -461,10 +462,16 @@ absl::Status CheckDataFormat(const std::string& format) {
 }
 
 absl::Status CheckLossScale(double scale, int64_t window) {
+  // (Written whole where it is a whole number: 2^25, not 3.35544e+07.)
+  const std::string written = std::isfinite(scale) && scale == std::floor(scale) && std::abs(scale) < 1e18
+                                  ? absl::StrFormat("%.0f", scale)
+                                  : absl::StrCat(scale);
+  if (!(scale >= 1 && scale <= kMaxLossScale)) {
+    return absl::InvalidArgumentError(absl::StrCat(written, " is outside [1, 16777216] (2^0 to 2^24)"));
+  }
   int exponent = 0;
-  if (!(scale >= 1 && scale <= kMaxLossScale) || std::frexp(scale, &exponent) != 0.5) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(scale, " is not a power of two in [1, ", kMaxLossScale, "] (2^0 to 2^24)"));
+  if (std::frexp(scale, &exponent) != 0.5) {
+    return absl::InvalidArgumentError(absl::StrCat(written, " is not a power of two"));
   }
   if (window < 1 || window > kMaxLossScaleWindow) {
     return absl::InvalidArgumentError(absl::StrCat(window, " steps is not in [1, ", kMaxLossScaleWindow, "]"));

@@ -674,6 +674,7 @@ absl::Status JobRunner::RunRank(Active& active) {
       metrics->ObserveStep(st.seconds, st.rank_tokens, st.loss, st.param_bytes, st.grad_bytes, st.optimizer_bytes);
       if (st.cuda) metrics->ObserveDevicePool(st.pool_reserved_bytes, st.pool_used_bytes);
       if (st.dp_bucket_bytes > 0) metrics->ObserveGradSync(st.dp_bucket_bytes, st.dp_overlapped_bytes);
+      if (st.loss_scale > 0) metrics->ObserveLossScale(st.loss_scale, st.update_skipped);
     }
     if (metrics != nullptr && st.eval.has_value()) metrics->ObserveEval(st.eval->loss);
     if (req.rank() == 0 && reporter.Step(st)) active.stop = true;

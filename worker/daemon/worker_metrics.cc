@@ -66,6 +66,17 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry& registry, absl::Duration ling
                      .Help("Loss of the rank's last held-out evaluation (mean cross-entropy over its labelled "
                            "positions, all dp replicas; TrainConfig.eval_*).")
                      .Register(registry)),
+      loss_scale_(prometheus::BuildGauge()
+                      .Name("colod_loss_scale")
+                      .Help("fp16 mixed precision: the loss scale of the rank's last training step (halved after "
+                            "a step whose gradients overflowed, doubled after TrainConfig.loss_scale_window "
+                            "steps without).")
+                      .Register(registry)),
+      skipped_updates_(prometheus::BuildCounter()
+                           .Name("colod_skipped_updates_total")
+                           .Help("fp16 mixed precision: training steps whose gradients overflowed at their loss "
+                                 "scale, so that they updated no weight.")
+                           .Register(registry)),
       tensor_bytes_(prometheus::BuildGauge()
                         .Name("colod_tensor_bytes")
                         .Help("Bytes a job rank holds on this worker, by kind: params, grads, optimizer_state.")
@@ -137,6 +148,8 @@ void WorkerMetrics::RemoveLocked(const Ended& e) {
   RemoveIfPresent(tokens_, e.labels);
   RemoveIfPresent(loss_, e.labels);
   RemoveIfPresent(eval_loss_, e.labels);
+  RemoveIfPresent(loss_scale_, e.labels);
+  RemoveIfPresent(skipped_updates_, e.labels);
   for (const char* kind : kTensorKinds) RemoveIfPresent(tensor_bytes_, With(e.labels, {{"kind", kind}}));
   for (const char* kind : {"reserved", "used"}) RemoveIfPresent(device_pool_bytes_, With(e.labels, {{"kind", kind}}));
   for (const char* when : {"backward", "after"}) RemoveIfPresent(dp_bucket_bytes_, With(e.labels, {{"when", when}}));
@@ -192,6 +205,14 @@ void WorkerMetrics::Rank::ObserveStep(double seconds, int64_t replica_tokens, do
 void WorkerMetrics::Rank::ObserveEval(double loss) {
   if (eval_loss_ == nullptr) eval_loss_ = &metrics_->eval_loss_.Add(labels_);
   eval_loss_->Set(loss);
+}
+
+void WorkerMetrics::Rank::ObserveLossScale(double scale, bool update_skipped) {
+  if (loss_scale_ == nullptr) loss_scale_ = &metrics_->loss_scale_.Add(labels_);
+  loss_scale_->Set(scale);
+  // From 0 on, so that increase() sees the first skipped step too.
+  if (skipped_updates_ == nullptr) skipped_updates_ = &metrics_->skipped_updates_.Add(labels_);
+  if (update_skipped) skipped_updates_->Increment();
 }
 
 void WorkerMetrics::Rank::ObserveDevicePool(int64_t reserved_bytes, int64_t used_bytes) {

@@ -38,6 +38,9 @@ namespace colod {
 //                                                 sum by (job_id) is the job's tokens
 //   colod_loss{job_id,rank}                       gauge, the last step's loss
 //   colod_eval_loss{job_id,rank}                  gauge, the last held-out evaluation's loss
+//   colod_loss_scale{job_id,rank}                 gauge, fp16: the last step's loss scale
+//   colod_skipped_updates_total{job_id,rank}      counter, fp16: steps whose gradients
+//                                                 overflowed, so that they updated nothing
 //   colod_tensor_bytes{job_id,rank,kind}          gauge: params, grads, optimizer_state
 //   colod_device_pool_bytes{job_id,rank,kind}     gauge, a CUDA rank's device memory pool:
 //                                                 reserved (taken from the device),
@@ -81,6 +84,9 @@ class WorkerMetrics {
                      int64_t optimizer_bytes);
     // A held-out evaluation's loss (called by the rank's thread).
     void ObserveEval(double loss);
+    // An fp16 step's loss scale, and whether its gradients overflowed at it
+    // (its update skipped; called by the rank's thread).
+    void ObserveLossScale(double scale, bool update_skipped);
     // A CUDA rank's memory pool after a step (called by the rank's thread).
     void ObserveDevicePool(int64_t reserved_bytes, int64_t used_bytes);
     // A data-parallel step's gradient buckets: all their bytes, and those
@@ -104,6 +110,8 @@ class WorkerMetrics {
     prometheus::Counter* tokens_ = nullptr;
     prometheus::Gauge* loss_ = nullptr;
     prometheus::Gauge* eval_loss_ = nullptr;
+    prometheus::Gauge* loss_scale_ = nullptr;
+    prometheus::Counter* skipped_updates_ = nullptr;
     absl::Mutex mu_;
     // The {op, group} pairs of the collective series this rank fed.
     std::set<std::pair<std::string, std::string>> collectives_ ABSL_GUARDED_BY(mu_);
@@ -136,6 +144,8 @@ class WorkerMetrics {
   prometheus::Family<prometheus::Counter>& tokens_;
   prometheus::Family<prometheus::Gauge>& loss_;
   prometheus::Family<prometheus::Gauge>& eval_loss_;
+  prometheus::Family<prometheus::Gauge>& loss_scale_;
+  prometheus::Family<prometheus::Counter>& skipped_updates_;
   prometheus::Family<prometheus::Gauge>& tensor_bytes_;
   prometheus::Family<prometheus::Gauge>& device_pool_bytes_;
   prometheus::Family<prometheus::Counter>& dp_bucket_bytes_;

@@ -125,6 +125,19 @@ TEST_F(WorkerMetricsTest, LabelsEachSeriesByJobAndRank) {
   r->ObserveEval(3.25);
   r->ObserveEval(3.125);
   EXPECT_EQ(Value("colod_eval_loss", rank), 3.125);
+
+  // fp16: the last step's loss scale, and the steps that overflowed (none
+  // before an fp16 step).
+  EXPECT_TRUE(Samples("colod_loss_scale").empty());
+  EXPECT_TRUE(Samples("colod_skipped_updates_total").empty());
+  r->ObserveLossScale(65536, false);
+  EXPECT_EQ(Value("colod_loss_scale", rank), 65536);
+  EXPECT_EQ(Value("colod_skipped_updates_total", rank), 0);
+  r->ObserveLossScale(65536, true);
+  r->ObserveLossScale(32768, true);
+  r->ObserveLossScale(16384, false);
+  EXPECT_EQ(Value("colod_loss_scale", rank), 16384);
+  EXPECT_EQ(Value("colod_skipped_updates_total", rank), 2);
 }
 
 TEST_F(WorkerMetricsTest, AnEndedRanksSeriesGoAtOnceOrAfterTheLinger) {
@@ -137,6 +150,7 @@ TEST_F(WorkerMetricsTest, AnEndedRanksSeriesGoAtOnceOrAfterTheLinger) {
     r->ObserveDevicePool(4096, 1024);
     r->ObserveGradSync(10, 5);
     r->ObserveEval(2.0);
+    r->ObserveLossScale(1024, true);
     r->CollectiveObserver("dp")("all_reduce", 10, absl::Milliseconds(1));
   }
   // Nothing runs, so nothing can stall: these go at once.
@@ -150,11 +164,11 @@ TEST_F(WorkerMetricsTest, AnEndedRanksSeriesGoAtOnceOrAfterTheLinger) {
   EXPECT_EQ(Value("colod_tokens_total", rank), 128);
   clock_.Advance(absl::Seconds(1));
   metrics.RemoveExpired();
-  for (const char* name : {"colod_step_duration_seconds_count", "colod_step_duration_seconds_bucket",
-                           "colod_tokens_total", "colod_loss", "colod_eval_loss", "colod_tensor_bytes",
-                           "colod_device_pool_bytes", "colod_dp_bucket_bytes_total",
-                           "colod_collective_duration_seconds_count", "colod_collective_duration_seconds_bucket",
-                           "colod_collective_bytes_total"}) {
+  for (const char* name :
+       {"colod_step_duration_seconds_count", "colod_step_duration_seconds_bucket", "colod_tokens_total", "colod_loss",
+        "colod_eval_loss", "colod_loss_scale", "colod_skipped_updates_total", "colod_tensor_bytes",
+        "colod_device_pool_bytes", "colod_dp_bucket_bytes_total", "colod_collective_duration_seconds_count",
+        "colod_collective_duration_seconds_bucket", "colod_collective_bytes_total"}) {
     EXPECT_TRUE(Samples(name).empty()) << name;
   }
   // The page still parses, and names no job.

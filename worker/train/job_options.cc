@@ -162,8 +162,10 @@ v1::JobSpec SpecFromTrainOptions(const TrainOptions& o) {
   t.set_keep_last(static_cast<int32_t>(o.keep_last));
   t.set_keep_best(o.keep_best);
   if (o.mask_token_id.has_value()) t.set_mask_token_id(*o.mask_token_id);
-  if (o.loss_scale != LossScaler::kDefaultInitial) t.set_loss_scale(o.loss_scale);
-  if (o.loss_scale_window != LossScaler::kDefaultWindow) t.set_loss_scale_window(o.loss_scale_window);
+  if (o.shard.param_dtype == DType::kF16) {  // (refused at another precision)
+    if (o.loss_scale != LossScaler::kDefaultInitial) t.set_loss_scale(o.loss_scale);
+    if (o.loss_scale_window != LossScaler::kDefaultWindow) t.set_loss_scale_window(o.loss_scale_window);
+  }
   return spec;
 }
 

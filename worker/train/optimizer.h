@@ -201,7 +201,9 @@ absl::StatusOr<DeviceClip> ClipOnDevice(const Optimizer& optimizer, double max_n
 // (a norm that is not finite) updates nothing and halves the scale; after
 // `window` steps in a row that did not, the scale doubles (at most kMax).
 // Every rank decides alike: the norm is the global one. The scale is a
-// power of two, so scaling and unscaling are exact.
+// power of two, so scaling and unscaling are exact. Unlike GradScaler, the
+// scale stays in [1, 2^24]: an overflow at 1 is divergence (no scale keeps
+// the gradients finite), not a halving below it.
 // Thread-safety: a plain value, of one rank thread.
 class LossScaler {
  public:

@@ -523,6 +523,10 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
       ASSIGN_OR_RETURN(run->loss_scale,
                        LossScaler::Create(*state.loss_scale, o.loss_scale_window,
                                           std::min(state.loss_scale_good_steps, o.loss_scale_window - 1)));
+      if (o.loss_scale != LossScaler::kDefaultInitial && o.loss_scale != *state.loss_scale) {
+        COLOD_LOG(INFO) << "resuming " << run->resume << " at its loss scale, " << *state.loss_scale
+                        << ", not the run's loss_scale " << o.loss_scale << " (the scale a run starts at)";
+      }
     }
     run->seed = state.seed;  // the sampler continues the stream it was on
     // A run continued in a directory of checkpoints counts the runs it
@@ -552,6 +556,12 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   run->step_batch = *step_batch;
   if (run->options.shard.param_dtype == DType::kF16 && !o.eval_only && !run->loss_scale.has_value()) {
     ASSIGN_OR_RETURN(run->loss_scale, LossScaler::Create(o.loss_scale, o.loss_scale_window));
+  }
+  if (run->options.shard.param_dtype != DType::kF16 && !o.eval_only &&
+      (o.loss_scale != LossScaler::kDefaultInitial || o.loss_scale_window != LossScaler::kDefaultWindow)) {
+    // (Taken at auto precision, which may resume an fp16 checkpoint.)
+    COLOD_LOG(WARNING) << "loss_scale and loss_scale_window are for fp16 training; this run trains at "
+                       << PrecisionName(run->options.shard.param_dtype) << " and scales nothing";
   }
   const DataFormat format = ResolveDataFormat(o.data_path, o.data_format);
   const bool text = IsTextFormat(format) ||
