@@ -342,9 +342,14 @@ absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string&
           steps > 0 ? static_cast<int>(width * (static_cast<double>(std::clamp<int64_t>(p.step(), 0, steps)) / steps))
                     : width;
       std::string bar = std::string(filled, '#') + std::string(width - filled, '.');
-      std::printf("%s[%s] step %lld/%lld  loss %.4f  tokens/s %.0f%s", tty ? "\r" : "", bar.c_str(),
+      // fp16: the step's loss scale, and whether it overflowed (no update).
+      const std::string scale = !p.has_loss_scale()
+                                    ? ""
+                                    : absl::StrFormat("  loss_scale %.0f%s", p.loss_scale(),
+                                                      p.update_skipped() ? " (overflowed: no update)" : "");
+      std::printf("%s[%s] step %lld/%lld  loss %.4f  tokens/s %.0f%s%s", tty ? "\r" : "", bar.c_str(),
                   static_cast<long long>(p.step()), static_cast<long long>(steps), p.loss(), p.tokens_per_second(),
-                  tty ? "" : "\n");
+                  scale.c_str(), tty ? "" : "\n");
       bar_open = tty;
       print_eval(p);
     } else if (ev.has_state_change()) {

@@ -465,7 +465,7 @@ absl::Status CheckLossScale(double scale, int64_t window) {
   // (Written whole where it is a whole number: 2^25, not 3.35544e+07.)
   const std::string written = std::isfinite(scale) && scale == std::floor(scale) && std::abs(scale) < 1e18
                                   ? absl::StrFormat("%.0f", scale)
-                                  : absl::StrCat(scale);
+                                  : absl::StrFormat("%.17g", scale);
   if (!(scale >= 1 && scale <= kMaxLossScale)) {
     return absl::InvalidArgumentError(absl::StrCat(written, " is outside [1, 16777216] (2^0 to 2^24)"));
   }

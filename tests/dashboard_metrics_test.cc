@@ -167,8 +167,9 @@ class DashboardMetricsTest : public ::testing::Test {
   }
 
   // A tp=2 TRAIN job of `steps` steps of 4 x 32 tokens, evaluated after
-  // each on a batch of the held-out tenth of its text.
-  v1::JobSpec Spec(int64_t steps) const {
+  // each on a batch of the held-out tenth of its text; in fp16 (its loss
+  // scaled: the series of fp16 ranks) or fp32.
+  v1::JobSpec Spec(int64_t steps, bool fp16 = false) const {
     train::TrainOptions o;
     o.model_dir = TempPath("gpt2");
     o.data_path = kGpl;
@@ -183,6 +184,7 @@ class DashboardMetricsTest : public ::testing::Test {
     o.eval_split = 0.1;
     o.eval_every = 1;
     o.eval_steps = 1;
+    if (fp16) o.shard.param_dtype = DType::kF16;
     v1::JobSpec spec = train::SpecFromTrainOptions(o);
     spec.mutable_model()->set_config_json(ReadFile(o.model_dir + "/config.json"));
     spec.mutable_model()->set_weights_path(o.model_dir);
@@ -247,13 +249,16 @@ TEST_F(DashboardMetricsTest, RulesAndDashboardNameOnlyWhatTheDaemonsExport) {
     EXPECT_EQ(Samples(page, "colod_step_duration_seconds_count").at(0).value, 3);
     EXPECT_TRUE(Samples(page, "colod_rank_running").empty());
     EXPECT_TRUE(Samples(page, "colod_rank_last_step_timestamp_seconds").empty());
+    EXPECT_TRUE(Samples(page, "colod_loss_scale").empty());  // an fp32 rank scales nothing
+    EXPECT_TRUE(Samples(page, "colod_skipped_updates_total").empty());
   }
   EXPECT_EQ(ranks, (std::set<std::string>{"0", "1"}));
   EXPECT_EQ(tokens, 3 * 4 * 32);
   EXPECT_EQ(JobsFinished("succeeded", 1), 1);
 
-  // A long job, scraped while it trains.
-  auto job = client_->SubmitJob(Spec(100000));
+  // A long job, scraped while it trains: in fp16, so that its workers
+  // export the loss scale's series too.
+  auto job = client_->SubmitJob(Spec(100000, /*fp16=*/true));
   ASSERT_TRUE(job.ok()) << job.status();
   const absl::Time deadline = absl::Now() + absl::Seconds(120);
   while (absl::Now() < deadline && client_->GetJob(job->job_id())->step() < 2) {
@@ -291,6 +296,15 @@ TEST_F(DashboardMetricsTest, RulesAndDashboardNameOnlyWhatTheDaemonsExport) {
     ASSERT_EQ(last.size(), 1u);
     EXPECT_GT(last[0].value, now - 120);
     EXPECT_LE(last[0].value, now + 1);
+    // An fp16 rank's loss scale (65536 at the start, doubled only after
+    // 2000 steps without overflow, halved by one) and its skipped updates.
+    const std::vector<testing::Sample> scale = Samples(page, "colod_loss_scale");
+    ASSERT_EQ(scale.size(), 1u) << w.metrics;
+    EXPECT_GE(scale[0].value, 1);
+    EXPECT_LE(scale[0].value, 65536);
+    const std::vector<testing::Sample> skipped = Samples(page, "colod_skipped_updates_total");
+    ASSERT_EQ(skipped.size(), 1u) << w.metrics;
+    EXPECT_EQ(skipped[0].value, std::log2(65536 / scale[0].value));  // each skip halved it
   }
 
   // Every page passes promtool's lint (DESIGN.md section 4).

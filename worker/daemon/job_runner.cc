@@ -658,6 +658,9 @@ absl::Status JobRunner::RunRank(Active& active) {
   if (active.request.drain()) hooks.drain = [&active] { return active.drain.load(); };
   hooks.on_start = [&](const train::RankStart& start) {
     if (metrics != nullptr) metrics->TrainingStarted();
+    if (metrics != nullptr && start.param_dtype == DType::kF16 && !req.spec().train().eval_only()) {
+      metrics->LossScalingStarted();  // (its skipped updates from 0)
+    }
     const std::string message = TrainingStartMessage(start.checkpoint, start.step, start.skipped, start.unread_tensors);
     if (reporter.Phase(v1::RANK_PHASE_TRAINING, message, start.step, start.checkpoint,
                        train::PrecisionOf(start.param_dtype))) {

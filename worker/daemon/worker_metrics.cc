@@ -207,11 +207,14 @@ void WorkerMetrics::Rank::ObserveEval(double loss) {
   eval_loss_->Set(loss);
 }
 
+void WorkerMetrics::Rank::LossScalingStarted() {
+  if (skipped_updates_ == nullptr) skipped_updates_ = &metrics_->skipped_updates_.Add(labels_);
+}
+
 void WorkerMetrics::Rank::ObserveLossScale(double scale, bool update_skipped) {
+  LossScalingStarted();
   if (loss_scale_ == nullptr) loss_scale_ = &metrics_->loss_scale_.Add(labels_);
   loss_scale_->Set(scale);
-  // From 0 on, so that increase() sees the first skipped step too.
-  if (skipped_updates_ == nullptr) skipped_updates_ = &metrics_->skipped_updates_.Add(labels_);
   if (update_skipped) skipped_updates_->Increment();
 }
 

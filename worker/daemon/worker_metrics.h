@@ -84,6 +84,9 @@ class WorkerMetrics {
                      int64_t optimizer_bytes);
     // A held-out evaluation's loss (called by the rank's thread).
     void ObserveEval(double loss);
+    // An fp16 rank's training loop starts: its skipped updates count from 0,
+    // so that increase() sees the first one too (called by the rank's thread).
+    void LossScalingStarted();
     // An fp16 step's loss scale, and whether its gradients overflowed at it
     // (its update skipped; called by the rank's thread).
     void ObserveLossScale(double scale, bool update_skipped);

@@ -130,6 +130,9 @@ TEST_F(WorkerMetricsTest, LabelsEachSeriesByJobAndRank) {
   // before an fp16 step).
   EXPECT_TRUE(Samples("colod_loss_scale").empty());
   EXPECT_TRUE(Samples("colod_skipped_updates_total").empty());
+  r->LossScalingStarted();  // before the first fp16 step: the count from 0
+  EXPECT_EQ(Value("colod_skipped_updates_total", rank), 0);
+  EXPECT_TRUE(Samples("colod_loss_scale").empty());
   r->ObserveLossScale(65536, false);
   EXPECT_EQ(Value("colod_loss_scale", rank), 65536);
   EXPECT_EQ(Value("colod_skipped_updates_total", rank), 0);

@@ -524,8 +524,9 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
                        LossScaler::Create(*state.loss_scale, o.loss_scale_window,
                                           std::min(state.loss_scale_good_steps, o.loss_scale_window - 1)));
       if (o.loss_scale != LossScaler::kDefaultInitial && o.loss_scale != *state.loss_scale) {
-        COLOD_LOG(INFO) << "resuming " << run->resume << " at its loss scale, " << *state.loss_scale
-                        << ", not the run's loss_scale " << o.loss_scale << " (the scale a run starts at)";
+        COLOD_LOG(WARNING) << "resuming " << run->resume << " at its loss scale, "
+                           << absl::StrFormat("%.0f", *state.loss_scale) << ", not the run's loss_scale "
+                           << absl::StrFormat("%.0f", o.loss_scale) << " (the scale a run starts at)";
       }
     }
     run->seed = state.seed;  // the sampler continues the stream it was on
