@@ -461,6 +461,24 @@ absl::Status CheckDataFormat(const std::string& format) {
                    absl::StrJoin(std::begin(kDataFormats), std::end(kDataFormats), ", ")));
 }
 
+absl::Status CheckMaskTokenId(const ModelConfig& config, std::optional<int64_t> id, bool examples) {
+  if (config.masked_lm() && !id.has_value()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("required for a masked language model (", config.model_type,
+                     ": it sees every position, so it trains to predict masked tokens, not the next one): the "
+                     "tokenizer's [MASK] id, 103 in bert-base-uncased's vocab.txt"));
+  }
+  if (!config.masked_lm() && id.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat("is for a masked language model (bert); a ", config.model_type,
+                                                   examples ? " trains on its labels" : " predicts its next tokens"));
+  }
+  if (id.has_value() && (*id < 0 || *id >= config.vocab_size)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(*id, " is not an id of the model's vocabulary [0, ", config.vocab_size, ")"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckLossScale(double scale, int64_t window) {
   // (Written whole where it is a whole number: 2^25, not 3.35544e+07.)
   const std::string written = std::isfinite(scale) && scale == std::floor(scale) && std::abs(scale) < 1e18
@@ -593,22 +611,12 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec) {
                        absl::StrCat("is for image classifiers and encoder-decoders; a ", config.model_type,
                                     " predicts its next tokens"));
       }
-      if (config.masked_lm() && !spec.train().has_mask_token_id()) {
-        return Invalid("spec.train", "mask_token_id",
-                       absl::StrCat("required for a masked language model (", config.model_type,
-                                    ": it sees every position, so it trains to predict masked tokens, not the next "
-                                    "one): the tokenizer's [MASK] id, 103 in bert-base-uncased's vocab.txt"));
-      }
-      if (!config.masked_lm() && spec.train().has_mask_token_id()) {
-        return Invalid("spec.train", "mask_token_id",
-                       absl::StrCat("is for a masked language model (bert); a ", config.model_type,
-                                    examples ? " trains on its labels" : " predicts its next tokens"));
-      }
-      if (spec.train().has_mask_token_id() &&
-          (spec.train().mask_token_id() < 0 || spec.train().mask_token_id() >= config.vocab_size)) {
-        return Invalid("spec.train", "mask_token_id",
-                       absl::StrCat(spec.train().mask_token_id(), " is not an id of the model's vocabulary [0, ",
-                                    config.vocab_size, ")"));
+      if (absl::Status mask = CheckMaskTokenId(
+              config,
+              spec.train().has_mask_token_id() ? std::optional<int64_t>(spec.train().mask_token_id()) : std::nullopt,
+              examples);
+          !mask.ok()) {
+        return Invalid("spec.train", "mask_token_id", mask.message());
       }
       if (config.is_encoder_decoder() && spec.train().recompute() != v1::RECOMPUTE_UNSPECIFIED &&
           spec.train().recompute() != v1::RECOMPUTE_NONE) {

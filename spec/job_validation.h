@@ -2,12 +2,13 @@
 #ifndef COLOD_SPEC_JOB_VALIDATION_H_
 #define COLOD_SPEC_JOB_VALIDATION_H_
 
-#include "absl/status/status.h"
-#include "absl/time/time.h"
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "colod/v1/job.pb.h"
 #include "colod/v1/worker.pb.h"
 #include "spec/model_config.h"
@@ -36,6 +37,13 @@ absl::Status CheckModelDType(const std::string& dtype);
 // bounded (above).
 absl::Status ValidateJobSpec(const v1::JobSpec& spec);
 
+// A TRAIN job's [MASK] id (TrainConfig.mask_token_id) for a model of
+// `config`: required for a masked language model (ModelConfig::masked_lm),
+// refused for another (`examples`: one that trains on labels or targets, as
+// the message says), an id of the vocabulary. INVALID_ARGUMENT saying which,
+// without the field's name (the callers put theirs before it).
+// ValidateJobSpec and the worker (train::PrepareTrain) check by it.
+absl::Status CheckMaskTokenId(const ModelConfig& config, std::optional<int64_t> id, bool examples);
 // fp16 training's loss scale (TrainConfig.loss_scale, loss_scale_window;
 // train::LossScaler): OK where `scale` is a power of two in [1,
 // kMaxLossScale] and `window` in [1, kMaxLossScaleWindow], else

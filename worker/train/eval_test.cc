@@ -146,7 +146,8 @@ TEST(Eval, AMaskedLanguageModelIsEvaluatedOnItsMaskedPositions) {
   bare.mask_token_id.reset();
   const absl::Status refused = Train(bare, [](const StepStats&) {});
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
-  EXPECT_NE(refused.message().find("masked language model, which needs mask_token_id"), std::string::npos) << refused;
+  EXPECT_NE(refused.message().find("mask_token_id: required for a masked language model (bert"), std::string::npos)
+      << refused;
 }
 
 // A masked language model's training resumes masking as the uninterrupted

@@ -442,17 +442,8 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
     return absl::InvalidArgumentError(absl::StrCat("seq_len ", o.seq_len, " exceeds the model's ",
                                                    config.max_positions, " positions"));
   }
-  if (config.masked_lm() != o.mask_token_id.has_value()) {
-    return absl::InvalidArgumentError(
-        config.masked_lm() ? absl::StrCat(o.model_dir, " (", config.model_type,
-                                          ") sees every position: it trains as a masked "
-                                          "language model, which needs mask_token_id (the tokenizer's [MASK] id)")
-                           : absl::StrCat("mask_token_id is for a masked language model: ", o.model_dir, " (",
-                                          config.model_type, ") does not train as one"));
-  }
-  if (o.mask_token_id.has_value() && (*o.mask_token_id < 0 || *o.mask_token_id >= config.vocab_size)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "mask_token_id ", *o.mask_token_id, " is not an id of the model's vocabulary [0, ", config.vocab_size, ")"));
+  if (absl::Status mask = CheckMaskTokenId(config, o.mask_token_id, examples); !mask.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("mask_token_id: ", mask.message(), " (", o.model_dir, ")"));
   }
   auto run = std::make_shared<PreparedTrain>();
   run->options = o;
