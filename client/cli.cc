@@ -342,11 +342,7 @@ absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string&
           steps > 0 ? static_cast<int>(width * (static_cast<double>(std::clamp<int64_t>(p.step(), 0, steps)) / steps))
                     : width;
       std::string bar = std::string(filled, '#') + std::string(width - filled, '.');
-      // fp16: the step's loss scale, and whether it overflowed (no update).
-      const std::string scale = !p.has_loss_scale()
-                                    ? ""
-                                    : absl::StrFormat("  loss_scale %.0f%s", p.loss_scale(),
-                                                      p.update_skipped() ? " (overflowed: no update)" : "");
+      const std::string scale = LossScaleSuffix(p);
       std::printf("%s[%s] step %lld/%lld  loss %.4f  tokens/s %.0f%s%s", tty ? "\r" : "", bar.c_str(),
                   static_cast<long long>(p.step()), static_cast<long long>(steps), p.loss(), p.tokens_per_second(),
                   scale.c_str(), tty ? "" : "\n");
@@ -430,13 +426,9 @@ void PrintStep(const v1::StepProgress& p, int64_t steps, bool json) {
     std::printf("%s\n", JsonText(line).c_str());
   } else {
     if (trained) {
-      std::printf(
-          "step %lld/%lld  loss %.4f  lr %.3e  grad_norm %.4f  tokens/s %.0f%s\n", static_cast<long long>(p.step()),
-          static_cast<long long>(steps), p.loss(), p.learning_rate(), p.grad_norm(), p.tokens_per_second(),
-          !p.has_loss_scale() ? ""
-          : p.update_skipped()
-              ? absl::StrFormat("  loss_scale %.0f (overflowed: no update; the scale halves)", p.loss_scale()).c_str()
-              : absl::StrFormat("  loss_scale %.0f", p.loss_scale()).c_str());
+      std::printf("step %lld/%lld  loss %.4f  lr %.3e  grad_norm %.4f  tokens/s %.0f%s\n",
+                  static_cast<long long>(p.step()), static_cast<long long>(steps), p.loss(), p.learning_rate(),
+                  p.grad_norm(), p.tokens_per_second(), LossScaleSuffix(p).c_str());
     }
     if (p.has_eval()) std::printf("eval %s\n", EvalSummary(p.eval()).c_str());
   }

@@ -187,6 +187,11 @@ std::string RenderCheckpoints(const v1::Job& j) {
   return RenderTable({"STEP", "EVAL LOSS", "SIZE", "PATH", ""}, rows);
 }
 
+std::string LossScaleSuffix(const v1::StepProgress& p) {
+  if (!p.has_loss_scale()) return "";
+  return absl::StrFormat("  loss_scale %.0f%s", p.loss_scale(), p.update_skipped() ? " (overflowed: no update)" : "");
+}
+
 std::string EvalSummary(const v1::EvalResult& e) {
   std::string out = absl::StrFormat("loss %.6f", e.loss());
   if (e.has_perplexity()) absl::StrAppend(&out, absl::StrFormat("  perplexity %.4g", e.perplexity()));
@@ -225,13 +230,16 @@ std::string RenderJob(const v1::Job& j, absl::Time now) {
     if (j.has_best_eval()) absl::StrAppend(&out, "best eval:  ", EvalSummary(j.best_eval()), "\n");
     if (j.has_summary()) {
       const v1::RunSummary& r = j.summary();
-      absl::StrAppend(&out, "run:        ", r.steps(), " steps, ", r.tokens(), " tokens in ",
-                      absl::FormatDuration(absl::Trunc(FromProtoDuration(r.train_time()), absl::Milliseconds(1))),
-                      " of steps (wall ",
-                      absl::FormatDuration(absl::Trunc(FromProtoDuration(r.wall_time()), absl::Milliseconds(1))),
-                      absl::StrFormat("); %.0f tokens/s mean, %.0f last", r.mean_tokens_per_second(),
-                                      r.last_tokens_per_second()),
-                      "\n");
+      absl::StrAppend(
+          &out, "run:        ", r.steps(), " steps",
+          r.skipped_updates() > 0 ? absl::StrCat(" (", r.skipped_updates(), " overflowed in fp16 and updated nothing)")
+                                  : "",
+          ", ", r.tokens(), " tokens in ",
+          absl::FormatDuration(absl::Trunc(FromProtoDuration(r.train_time()), absl::Milliseconds(1))),
+          " of steps (wall ",
+          absl::FormatDuration(absl::Trunc(FromProtoDuration(r.wall_time()), absl::Milliseconds(1))),
+          absl::StrFormat("); %.0f tokens/s mean, %.0f last", r.mean_tokens_per_second(), r.last_tokens_per_second()),
+          "\n");
       if (r.mfu() > 0) {
         absl::StrAppend(&out, absl::StrFormat("mfu:        %.2f%% (%.3g model FLOPs a token; peak %.4g TFLOP/s)\n",
                                               100 * r.mfu(), r.model_flops_per_token(),

@@ -37,6 +37,10 @@ std::string JobStateLabel(v1::JobState state);
 std::string RenderJobsTable(const std::vector<v1::Job>& jobs, absl::Time now);
 // One job, a field a line.
 std::string RenderJob(const v1::Job& job, absl::Time now);
+// fp16 training's part of a step's line: "  loss_scale 1024", and
+// " (overflowed: no update)" for a step that updated nothing; "" for a step
+// of another precision.
+std::string LossScaleSuffix(const v1::StepProgress& p);
 // One line of a held-out evaluation: "loss 2.345678  perplexity 10.43
 // after step 20 (/ckpt/step-000020)".
 std::string EvalSummary(const v1::EvalResult& e);

@@ -257,6 +257,12 @@ TEST(Format, AJobShowsItsLastAndBestEvaluation) {
                      "last\n"),
             std::string::npos)
       << out;
+  run->set_skipped_updates(2);  // fp16's overflowed steps are told apart
+  EXPECT_NE(RenderJob(j, absl::Now())
+                .find("run:        30 steps (2 overflowed in fp16 and updated nothing), 122880 tokens in 12s"),
+            std::string::npos)
+      << RenderJob(j, absl::Now());
+  run->set_skipped_updates(0);
   EXPECT_NE(out.find("best eval:  loss 2.250000  accuracy 87.50%  after step 20  (/ck/step-000020)\n"),
             std::string::npos)
       << out;
@@ -270,6 +276,16 @@ TEST(Format, AJobShowsItsLastAndBestEvaluation) {
   EXPECT_NE(RenderJob(j, absl::Now()).find("mfu:        0.19% (7.5e+08 model FLOPs a token; peak 3958 TFLOP/s)\n"),
             std::string::npos)
       << RenderJob(j, absl::Now());
+}
+
+TEST(LossScaleSuffix, ShowsAnFp16StepsScaleAndWhetherItUpdated) {
+  v1::StepProgress p;
+  EXPECT_EQ(LossScaleSuffix(p), "");  // another precision
+  p.set_loss_scale(65536);
+  EXPECT_EQ(LossScaleSuffix(p), "  loss_scale 65536");
+  p.set_loss_scale(1024);
+  p.set_update_skipped(true);
+  EXPECT_EQ(LossScaleSuffix(p), "  loss_scale 1024 (overflowed: no update)");
 }
 
 }  // namespace

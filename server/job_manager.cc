@@ -873,6 +873,7 @@ absl::StatusOr<bool> JobManager::AddStepLocked(Entry& e, const v1::StepProgress&
   if (trained) {
     v1::RunSummary& sum = *e.job.mutable_summary();
     sum.set_steps(sum.steps() + 1);
+    if (step.update_skipped()) sum.set_skipped_updates(sum.skipped_updates() + 1);
     const int64_t tokens = std::max<int64_t>(0, step.tokens());
     sum.set_tokens(sum.tokens() > std::numeric_limits<int64_t>::max() - tokens ? std::numeric_limits<int64_t>::max()
                                                                                : sum.tokens() + tokens);

@@ -1161,7 +1161,11 @@ TEST(JobManager, EachStepIsRecordedOnce) {
     ASSERT_TRUE(job.ok());
     id = job->job_id();
     ASSERT_TRUE((*jobs)->Schedule(id, v1::MeshSpec(), /*peak_flops=*/1e12).ok());
-    for (int64_t n : {1, 2, 3, 5, 6}) ASSERT_TRUE((*jobs)->AddStep(id, step(n, 10.0 - n)).ok());
+    for (int64_t n : {1, 2, 3, 5, 6}) {
+      v1::StepProgress p = step(n, 10.0 - n);
+      p.set_update_skipped(n == 5);  // fp16: its gradients overflowed
+      ASSERT_TRUE((*jobs)->AddStep(id, p).ok());
+    }
     const v1::RunSummary first = (*jobs)->Get(id)->summary();
     EXPECT_EQ(first.model_flops_per_token(), kTinyFlopsPerToken);
     EXPECT_EQ(first.peak_flops_per_second(), 1e12);
@@ -1196,7 +1200,11 @@ TEST(JobManager, EachStepIsRecordedOnce) {
   const int64_t generation = (*jobs)->Get(id)->generation();
   ASSERT_TRUE((*jobs)->SetPeakFlops(id, generation, 2e12).ok());
   ASSERT_TRUE((*jobs)->SetPeakFlops(id, generation - 1, 7e12).ok());               // an earlier attempt's: ignored
-  for (int64_t n : {5, 6, 7}) ASSERT_TRUE((*jobs)->AddStep(id, step(n, 0)).ok());  // the restart re-runs them
+  for (int64_t n : {5, 6, 7}) {  // the restart re-runs them (5 overflowing again)
+    v1::StepProgress p = step(n, 0);
+    p.set_update_skipped(n == 5);
+    ASSERT_TRUE((*jobs)->AddStep(id, p).ok());
+  }
   ASSERT_TRUE((*jobs)->AddStep(id, step(8, 2.0)).ok());
   // Steps the job does not have (of 10): refused, not remembered.
   for (int64_t n : {int64_t{11}, int64_t{-1}, std::numeric_limits<int64_t>::max()}) {
@@ -1208,6 +1216,7 @@ TEST(JobManager, EachStepIsRecordedOnce) {
   // 1 us each.
   const v1::RunSummary sum = (*jobs)->Get(id)->summary();
   EXPECT_EQ(sum.steps(), 8);
+  EXPECT_EQ(sum.skipped_updates(), 1);  // step 5, once
   EXPECT_EQ(sum.tokens(), 8000);
   EXPECT_EQ(FromProtoDuration(sum.train_time()), absl::Microseconds(8));
   EXPECT_DOUBLE_EQ(sum.mean_tokens_per_second(), 8000 / 8e-6);

@@ -186,12 +186,12 @@ absl::Status ValidateTrain(const v1::TrainConfig& t, const v1::ShardConfig& shar
                      "only fp16 training (PRECISION_FP16_MIXED) scales its loss");
     }
     if (t.has_loss_scale()) {
-      if (absl::Status scale = CheckLossScale(t.loss_scale(), 1); !scale.ok()) {
+      if (absl::Status scale = CheckLossScale(t.loss_scale()); !scale.ok()) {
         return Invalid(path, "loss_scale", scale.message());
       }
     }
     if (t.loss_scale_window() != 0) {
-      if (absl::Status window = CheckLossScale(1, t.loss_scale_window()); !window.ok()) {
+      if (absl::Status window = CheckLossScaleWindow(t.loss_scale_window()); !window.ok()) {
         return Invalid(path, "loss_scale_window", window.message());
       }
     }
@@ -479,7 +479,7 @@ absl::Status CheckMaskTokenId(const ModelConfig& config, std::optional<int64_t> 
   return absl::OkStatus();
 }
 
-absl::Status CheckLossScale(double scale, int64_t window) {
+absl::Status CheckLossScale(double scale) {
   // (Written whole where it is a whole number: 2^25, not 3.35544e+07.)
   const std::string written = std::isfinite(scale) && scale == std::floor(scale) && std::abs(scale) < 1e18
                                   ? absl::StrFormat("%.0f", scale)
@@ -491,6 +491,10 @@ absl::Status CheckLossScale(double scale, int64_t window) {
   if (std::frexp(scale, &exponent) != 0.5) {
     return absl::InvalidArgumentError(absl::StrCat(written, " is not a power of two"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status CheckLossScaleWindow(int64_t window) {
   if (window < 1 || window > kMaxLossScaleWindow) {
     return absl::InvalidArgumentError(absl::StrCat(window, " steps is not in [1, ", kMaxLossScaleWindow, "]"));
   }

@@ -44,13 +44,16 @@ absl::Status ValidateJobSpec(const v1::JobSpec& spec);
 // without the field's name (the callers put theirs before it).
 // ValidateJobSpec and the worker (train::PrepareTrain) check by it.
 absl::Status CheckMaskTokenId(const ModelConfig& config, std::optional<int64_t> id, bool examples);
-// fp16 training's loss scale (TrainConfig.loss_scale, loss_scale_window;
-// train::LossScaler): OK where `scale` is a power of two in [1,
-// kMaxLossScale] and `window` in [1, kMaxLossScaleWindow], else
-// INVALID_ARGUMENT saying which. ValidateJobSpec and the worker check by it.
+// fp16 training's loss scale (TrainConfig.loss_scale; train::LossScaler, a
+// checkpoint's): OK where `scale` is a power of two in [1, kMaxLossScale],
+// else INVALID_ARGUMENT saying which, without the field's name.
+// ValidateJobSpec and the worker check by it.
 inline constexpr double kMaxLossScale = 16777216;  // 2^24
+absl::Status CheckLossScale(double scale);
+// Its growth window (TrainConfig.loss_scale_window): OK in [1,
+// kMaxLossScaleWindow] steps, else INVALID_ARGUMENT.
 inline constexpr int64_t kMaxLossScaleWindow = 1000000000;
-absl::Status CheckLossScale(double scale, int64_t window);
+absl::Status CheckLossScaleWindow(int64_t window);
 // The most passes a training step accumulates (TrainConfig.grad_accum).
 inline constexpr int kMaxGradAccum = 65536;
 // The most micro-batches one training step runs: grad_accum passes of

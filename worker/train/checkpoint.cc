@@ -228,7 +228,7 @@ absl::StatusOr<std::optional<std::pair<double, int64_t>>> LossScaleField(const J
   }
   const double scale = l["scale"].get<double>();
   const int64_t good = l["good_steps"].get<int64_t>();
-  if (absl::Status valid = CheckLossScale(scale, LossScaler::kMaxWindow); !valid.ok()) {
+  if (absl::Status valid = CheckLossScale(scale); !valid.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": loss_scale: ", valid.message()));
   }
   if (good < 0) return absl::InvalidArgumentError(absl::StrCat(where, ": loss_scale: ", good, " good steps"));

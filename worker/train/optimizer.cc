@@ -453,8 +453,11 @@ int64_t NormOrder::Slot(const std::string& name) const {
 double ClipFactor(double norm, double max_norm) { return kernels::ClipFactor(norm, max_norm); }
 
 absl::StatusOr<LossScaler> LossScaler::Create(double scale, int64_t window, int64_t good_steps) {
-  if (absl::Status valid = CheckLossScale(scale, window); !valid.ok()) {
+  if (absl::Status valid = CheckLossScale(scale); !valid.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("loss scale: ", valid.message()));
+  }
+  if (absl::Status valid = CheckLossScaleWindow(window); !valid.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("loss scale window: ", valid.message()));
   }
   if (good_steps < 0 || good_steps >= window) {
     return absl::InvalidArgumentError(

@@ -210,9 +210,8 @@ class LossScaler {
   static constexpr double kDefaultInitial = 65536;  // GradScaler's init_scale, 2^16
   static constexpr int64_t kDefaultWindow = 2000;   // its growth_interval
   static constexpr double kMax = kMaxLossScale;     // 2^24
-  static constexpr int64_t kMaxWindow = kMaxLossScaleWindow;
   // INVALID_ARGUMENT unless `scale` is a power of two in [1, kMax], `window`
-  // in [1, kMaxWindow] and `good_steps` in [0, window).
+  // in [1, kMaxLossScaleWindow] and `good_steps` in [0, window).
   static absl::StatusOr<LossScaler> Create(double scale, int64_t window, int64_t good_steps = 0);
   double scale() const { return scale_; }
   int64_t window() const { return window_; }

@@ -356,7 +356,7 @@ absl::Status CheckFinalDir(const TrainOptions& o) {
 absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOptions& o) {
   if (o.steps < 1 || o.micro_batches < 1) return absl::InvalidArgumentError("steps and micro_batches must be >= 1");
   // (fp16 scales its loss: checked at any precision, as a resume may take fp16.)
-  RETURN_IF_ERROR(LossScaler::Create(o.loss_scale, o.loss_scale_window).status());
+  ASSIGN_OR_RETURN(const LossScaler options_scale, LossScaler::Create(o.loss_scale, o.loss_scale_window));
   if (o.grad_accum < 1 || o.grad_accum > kMaxGradAccum) {
     return absl::InvalidArgumentError(
         absl::StrCat("grad_accum ", o.grad_accum, " is not in [1, ", kMaxGradAccum, "]"));
@@ -547,7 +547,7 @@ absl::StatusOr<std::shared_ptr<const PreparedTrain>> PrepareTrain(const TrainOpt
   run->micro_rows = rows / o.micro_batches;
   run->step_batch = *step_batch;
   if (run->options.shard.param_dtype == DType::kF16 && !o.eval_only && !run->loss_scale.has_value()) {
-    ASSIGN_OR_RETURN(run->loss_scale, LossScaler::Create(o.loss_scale, o.loss_scale_window));
+    run->loss_scale = options_scale;
   }
   if (run->options.shard.param_dtype != DType::kF16 && !o.eval_only &&
       (o.loss_scale != LossScaler::kDefaultInitial || o.loss_scale_window != LossScaler::kDefaultWindow)) {
