@@ -1,9 +1,8 @@
-#include "kernels/cuda/layer_ops.h"
-
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdlib>
@@ -18,11 +17,12 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "kernels/activation.h"
+#include "kernels/clip.h"
 #include "kernels/cuda/cudnn_attention.h"
 #include "kernels/cuda/elements.h"
 #include "kernels/cuda/launch.h"
-#include "kernels/activation.h"
-#include "kernels/clip.h"
+#include "kernels/cuda/layer_ops.h"
 #include "kernels/cuda/tensor_ops.h"
 #include "kernels/cuda/warp.h"
 #include "kernels/gelu.h"
@@ -2331,6 +2331,11 @@ absl::Status ByHeadDim(int64_t d, Fn fn) {
   return fn(std::integral_constant<int, 256>{});
 }
 
+// The most batch elements one launch of the attention kernels takes (the
+// grid's z); FlashAttention and FlashAttentionBackward run a larger batch
+// in parts of at most this many.
+constexpr int64_t kMaxAttnBatch = 65535;
+
 // The launch grid of the attention kernels, after checking the sizes.
 absl::StatusOr<dim3> AttnGrid(int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, const char* op) {
   if (hkv < 1 || hq % hkv != 0 || d < 1 || d > kMaxFusedHeadDim) {
@@ -2339,7 +2344,7 @@ absl::StatusOr<dim3> AttnGrid(int64_t b, int64_t s, int64_t hq, int64_t hkv, int
                                       " (at most " + std::to_string(kMaxFusedHeadDim) + ")");
   }
   const int64_t blocks = (s + kAttnRows - 1) / kAttnRows;
-  if (blocks > 0x7fffffff || hq > 65535 || b > 65535) {
+  if (blocks > 0x7fffffff || hq > 65535 || b > kMaxAttnBatch) {
     return absl::InvalidArgumentError(std::string(op) + ": batch " + std::to_string(b) + ", " + std::to_string(hq) +
                                       " heads or sequence " + std::to_string(s) + " exceed the launch grid");
   }
@@ -3280,9 +3285,80 @@ static std::optional<CudnnAttentionShape> CudnnShapeFor(ElemType type, int64_t b
   return shape;
 }
 
+// `p` advanced by `elements` elements of `size` bytes (null stays null).
+constexpr int64_t kF32Size = sizeof(float);
+template <typename P>
+static P* Advanced(P* p, int64_t elements, int64_t size) {
+  if (p == nullptr) return p;
+  using Byte = std::conditional_t<std::is_const_v<P>, const char, char>;
+  return reinterpret_cast<P*>(reinterpret_cast<Byte*>(p) + elements * size);
+}
+
+// Runs `part(b0, n)` over the batch: at once where it fits one launch, else
+// in parts of kAttnBatchPart elements (a multiple of 16, so that every
+// part's operands keep the alignment of the whole's, which the tensor-core
+// kernels and cuDNN ask of them), stopping at the first error.
+constexpr int64_t kAttnBatchPart = kMaxAttnBatch / 16 * 16;
+template <typename Part>
+static absl::Status ByBatchParts(int64_t b, Part part) {
+  if (b <= kMaxAttnBatch) return part(int64_t{0}, b);
+  for (int64_t b0 = 0; b0 < b; b0 += kAttnBatchPart) {
+    RETURN_IF(part(b0, std::min(kAttnBatchPart, b - b0)));
+  }
+  return absl::OkStatus();
+}
+
+// One launch's worth of FlashAttention (b <= kMaxAttnBatch).
+static absl::Status FlashAttentionPart(int device, ElemType type, const void* q, const void* k, const void* v,
+                                       void* out, float* lse, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d,
+                                       float scale, bool causal, AttentionBias extra, AttentionLayout layout);
+static absl::Status FlashAttentionBackwardPart(int device, ElemType type, const void* q, const void* k, const void* v,
+                                               const void* out, const void* dout, const float* lse, float* delta,
+                                               void* dq, void* dk, void* dv, int64_t b, int64_t s, int64_t hq,
+                                               int64_t hkv, int64_t d, float scale, bool causal, AttentionBias extra,
+                                               AttentionLayout layout);
+
+// A batch past one launch's grid runs in parts: each part's operands start
+// at its first element (row b0 s of each operand's layout; out, dout and the
+// row statistics contiguous; dbias [b, hq, s, s]), the bias and slopes the
+// same for every element.
 absl::Status FlashAttention(int device, ElemType type, const void* q, const void* k, const void* v, void* out,
                             float* lse, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d, float scale,
                             bool causal, AttentionBias extra, AttentionLayout layout) {
+  if (b < 0 || s < 0 || hq < 0 || d < 0) return absl::InvalidArgumentError("FlashAttention: a negative size");
+  const int64_t size = ElemSize(type);
+  return ByBatchParts(b, [&](int64_t b0, int64_t n) {
+    return FlashAttentionPart(device, type, Advanced(q, b0 * s * layout.q.token, size),
+                              Advanced(k, b0 * s * layout.kv.token, size), Advanced(v, b0 * s * layout.kv.token, size),
+                              Advanced(out, b0 * s * hq * d, size), Advanced(lse, b0 * hq * s, kF32Size), n, s, hq, hkv,
+                              d, scale, causal, extra, layout);
+  });
+}
+
+absl::Status FlashAttentionBackward(int device, ElemType type, const void* q, const void* k, const void* v,
+                                    const void* out, const void* dout, const float* lse, float* delta, void* dq,
+                                    void* dk, void* dv, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d,
+                                    float scale, bool causal, AttentionBias extra, AttentionLayout layout) {
+  if (b < 0 || s < 0 || hq < 0 || d < 0) {
+    return absl::InvalidArgumentError("FlashAttentionBackward: a negative size");
+  }
+  const int64_t size = ElemSize(type);
+  return ByBatchParts(b, [&](int64_t b0, int64_t n) {
+    AttentionBias part = extra;
+    part.dbias = Advanced(extra.dbias, b0 * hq * s * s, kF32Size);
+    return FlashAttentionBackwardPart(
+        device, type, Advanced(q, b0 * s * layout.q.token, size), Advanced(k, b0 * s * layout.kv.token, size),
+        Advanced(v, b0 * s * layout.kv.token, size), Advanced(out, b0 * s * hq * d, size),
+        Advanced(dout, b0 * s * hq * d, size), Advanced(lse, b0 * hq * s, kF32Size),
+        Advanced(delta, b0 * hq * s, kF32Size), Advanced(dq, b0 * s * layout.dq.token, size),
+        Advanced(dk, b0 * s * layout.dkv.token, size), Advanced(dv, b0 * s * layout.dkv.token, size), n, s, hq, hkv, d,
+        scale, causal, part, layout);
+  });
+}
+
+static absl::Status FlashAttentionPart(int device, ElemType type, const void* q, const void* k, const void* v,
+                                       void* out, float* lse, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d,
+                                       float scale, bool causal, AttentionBias extra, AttentionLayout layout) {
   absl::StatusOr<dim3> grid = AttnGrid(b, s, hq, hkv, d, "FlashAttention");
   if (!grid.ok()) return grid.status();
   if (!StridesPositive(layout)) return absl::InvalidArgumentError("FlashAttention: a stride below 1");
@@ -3368,10 +3444,11 @@ absl::Status FusedBackward(cudaStream_t stream, const T* q, const T* k, const T*
   return st.ok() ? freed : st;
 }
 
-absl::Status FlashAttentionBackward(int device, ElemType type, const void* q, const void* k, const void* v,
-                                    const void* out, const void* dout, const float* lse, float* delta, void* dq,
-                                    void* dk, void* dv, int64_t b, int64_t s, int64_t hq, int64_t hkv, int64_t d,
-                                    float scale, bool causal, AttentionBias extra, AttentionLayout layout) {
+static absl::Status FlashAttentionBackwardPart(int device, ElemType type, const void* q, const void* k, const void* v,
+                                               const void* out, const void* dout, const float* lse, float* delta,
+                                               void* dq, void* dk, void* dv, int64_t b, int64_t s, int64_t hq,
+                                               int64_t hkv, int64_t d, float scale, bool causal, AttentionBias extra,
+                                               AttentionLayout layout) {
   absl::StatusOr<dim3> grid = AttnGrid(b, s, hq, hkv, d, "FlashAttentionBackward");
   if (!grid.ok()) return grid.status();
   if (!StridesPositive(layout)) return absl::InvalidArgumentError("FlashAttentionBackward: a stride below 1");

@@ -616,6 +616,51 @@ TEST(CudaAttentionLayouts, PackedSlicesAreReadAndWrittenInPlace) {
   }
 }
 
+// A batch past one launch's grid (65535 elements, the grid's z) runs in
+// parts (kernels/cuda's FlashAttention and its backward; the CPU runs any
+// batch): out, lse and every gradient equal the CPU twin's, with q, k and v
+// slices of GPT-2's packed [B, S, 3, H, D] (each part's operands start at
+// its first element of their layout) and T5's learned bias, whose gradient
+// is per element too. The scalar kernels (f32, head dim 16): the parts are
+// made alike for every kernel, and the tensor-core ones, emulated, take
+// longer over 65538 elements than this test has. On the emulation, two
+// launches forward (the grid checked as a GPU does: it refused the batch
+// before).
+TEST(CudaAttentionBatches, ABatchPastOneLaunchsGridRunsInParts) {
+  if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  const int64_t b = 65535 + 3, s = 2, h = 1, d = 16;
+  const Tensor qkv = *Tensor::RandomNormal({b, s, 3, h, d}, 131);
+  const Tensor dout = *Tensor::RandomNormal({b, s, h, d}, 132);
+  const Tensor bias = *Tensor::RandomNormal({h, s, s}, 133);
+  const auto run = [&](Device dev) -> std::vector<Tensor> {
+    const Tensor packed = *qkv.To(dev);
+    const Tensor q = *packed.Select(2, 0), k = *packed.Select(2, 1), v = *packed.Select(2, 2);
+    ops::AttentionExtras extras;
+    extras.bias = *bias.To(dev);
+#ifdef COLOD_CUDA_EMULATION
+    const uint64_t before = colod_cuda_emu::GetCounters().kernel_launches;
+#endif
+    const absl::StatusOr<ops::AttentionForward> f = ops::FusedAttention(q, k, v, 0.25f, /*causal=*/true, extras);
+    EXPECT_TRUE(f.ok()) << f.status();
+    if (!f.ok()) return {};
+#ifdef COLOD_CUDA_EMULATION
+    if (dev.is_cuda()) EXPECT_EQ(colod_cuda_emu::GetCounters().kernel_launches - before, 2u) << "two parts";
+#endif
+    const absl::StatusOr<ops::AttentionGrads> g =
+        ops::FusedAttentionBackward(*dout.To(dev), q, k, v, *f, 0.25f, /*causal=*/true, extras);
+    EXPECT_TRUE(g.ok()) << g.status();
+    if (!g.ok() || !g->dbias.has_value()) return {};
+    std::vector<Tensor> out;
+    for (const Tensor* t : {&f->out, &f->lse, &g->dq, &g->dk, &g->dv, &*g->dbias}) out.push_back(*t->To(Device::Cpu()));
+    return out;
+  };
+  const std::vector<Tensor> want = run(Device::Cpu()), got = run(Device::Cuda(0));
+  ASSERT_EQ(want.size(), 6u);
+  ASSERT_EQ(got.size(), 6u);
+  const char* names[] = {"out", "lse", "dq", "dk", "dv", "dbias"};
+  for (int i = 0; i < 6; ++i) ExpectNear(got[i], want[i], 1e-5, names[i]);
+}
+
 #ifdef COLOD_CUDA_EMULATION
 // One launch forward and two backward per attention call (the per-head path
 // launched about 6 per (batch, head) forward and 12 backward).
