@@ -362,7 +362,9 @@ absl::StatusOr<v1::Job> WatchToEnd(CoordinatorClient& client, const std::string&
     return true;
   });
   if (bar_open) std::printf("\n");
-  if (!s.ok()) return s;
+  // Named: a submit's watch may end before its first event (with --output
+  // json nothing else printed the id).
+  if (!s.ok()) return WithMessage(s, absl::StrCat("watching ", job_id, ": ", s.message()));
   job = client.GetJob(job_id);
   if (!job.ok()) return job.status();
   if (!json && !on_step) {

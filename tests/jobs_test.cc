@@ -1239,6 +1239,20 @@ TEST_F(JobsTest, ModelsUploadedThroughTheCoordinatorTrainLikeModelsOnDisk) {
   ASSERT_TRUE(jobs.ok());
   EXPECT_EQ(jobs->back().spec().name(), "from-yaml");
   EXPECT_EQ(jobs->back().state(), v1::JOB_STATE_SUCCEEDED);
+  // A watch that ends before its job does names the job (with --output
+  // json its events would have been the only place of the id).
+  auto unwatched = RunCommand({Runfile("client/coloctl"), "--coordinator", coordinator_.grpc, "submit", "--job-file",
+                               TempPath("job.yaml"), "--watch", "--watch-timeout=1ms", "--output", "json"},
+                              TempPath(""), absl::Seconds(60));
+  EXPECT_EQ(unwatched.code, 1) << unwatched.err << unwatched.out;
+  auto listed = client_->ListJobs();
+  ASSERT_TRUE(listed.ok());
+  const std::string unwatched_id = listed->back().job_id();
+  EXPECT_NE(unwatched_id, jobs->back().job_id());
+  EXPECT_TRUE(absl::StrContains(unwatched.err, absl::StrCat("watching ", unwatched_id, ": WatchJob to coordinator")))
+      << unwatched.err;
+  (void)client_->CancelJob(unwatched_id);  // (or it ended already)
+  Watch(unwatched_id);
 
   // A TENSOR job submitted again with the same --request-id is the same job
   // (a retried submit must not hold a second set of workers).
