@@ -36,7 +36,7 @@ void RankSupervisor::StopRanks(const std::string& job_id, const std::string& job
     call.request.set_generation(generation);
     call.request.set_job_uid(job_uid);
     call.request.set_reason(reason);
-    aborts_.push_back(std::move(call));
+    aborts_.push_back({std::move(call), ""});
   }
 }
 
@@ -55,31 +55,55 @@ void RankSupervisor::StopStaleRanks(const std::vector<v1::Worker>& workers,
     call.request.set_generation(st.generation());
     call.request.set_reason("the coordinator does not run this job (it ended, or the coordinator restarted)");
   }
+  const absl::Time now = absl::Now();
   absl::MutexLock lock(&mu_);
-  std::map<std::string, std::string> told;
+  std::map<std::string, Told> told;
   for (auto& [worker, call] : stale) {
     const std::string key = absl::StrCat(call.request.job_id(), "/", call.request.generation());
     auto before = stale_told_.find(worker);
-    if (before == stale_told_.end() || before->second != key) aborts_.push_back(call);
-    told[worker] = key;
+    if (before == stale_told_.end() || before->second.key != key || now >= before->second.again) {
+      aborts_.push_back({call, worker});
+      told[worker] = Told{key};
+    } else {
+      told[worker] = before->second;
+    }
   }
   stale_told_ = std::move(told);
 }
 
 void RankSupervisor::SendAborts() {
-  std::vector<WorkerClient::Call<v1::AbortJobRequest>> calls;
+  std::vector<Queued> queued;
   {
     absl::MutexLock lock(&mu_);
-    calls.swap(aborts_);
+    queued.swap(aborts_);
   }
-  if (calls.empty()) return;
+  if (queued.empty()) return;
+  std::vector<WorkerClient::Call<v1::AbortJobRequest>> calls;
+  calls.reserve(queued.size());
+  for (const Queued& q : queued) calls.push_back(q.call);
   const std::vector<absl::Status> answers = client_->Abort(calls, options_.abort_timeout);
-  for (size_t i = 0; i < answers.size() && i < calls.size(); ++i) {
+  std::vector<size_t> failed;
+  for (size_t i = 0; i < calls.size(); ++i) {
     // NOT_FOUND: the rank already ended on its own.
-    if (!answers[i].ok() && !absl::IsNotFound(answers[i])) {
-      COLOD_LOG(WARNING) << "AbortJob " << calls[i].request.job_id() << " to " << calls[i].address << ": "
-                         << answers[i];
-    }
+    const absl::Status answer = i < answers.size() ? answers[i] : absl::UnknownError("no answer");
+    if (answer.ok() || absl::IsNotFound(answer)) continue;
+    // Sent again where it may reach the worker later; not where the worker
+    // refused it (another key, another generation running).
+    const bool again = !queued[i].stale_worker.empty() &&
+                       (absl::IsUnavailable(answer) || absl::IsDeadlineExceeded(answer) ||
+                        absl::IsResourceExhausted(answer) || absl::IsUnknown(answer) || absl::IsCancelled(answer));
+    COLOD_LOG(WARNING) << "AbortJob " << calls[i].request.job_id() << " to " << calls[i].address << ": " << answer
+                       << (again ? " (sent again later)" : "");
+    if (again) failed.push_back(i);
+  }
+  if (failed.empty()) return;
+  const absl::Time again = absl::Now() + options_.stale_abort_retry;
+  absl::MutexLock lock(&mu_);
+  for (size_t i : failed) {
+    // (Unless the record moved on meanwhile: another generation, or not stale.)
+    auto it = stale_told_.find(queued[i].stale_worker);
+    const std::string key = absl::StrCat(calls[i].request.job_id(), "/", calls[i].request.generation());
+    if (it != stale_told_.end() && it->second.key == key) it->second.again = again;
   }
 }
 

@@ -60,6 +60,9 @@ class RankSupervisor {
     absl::Duration probe_timeout = absl::Seconds(2);
     // Waiting in a collective this long is a hang (> 0).
     absl::Duration hang_threshold = absl::Seconds(30);
+    // A stale rank's abort that failed (but NOT_FOUND: the rank ended) is
+    // sent again this long after (StopStaleRanks).
+    absl::Duration stale_abort_retry = absl::Seconds(10);
   };
 
   // The ranks of a placement to probe after `failure` (the first failure a
@@ -96,14 +99,20 @@ class RankSupervisor {
   // Queues an abort to each BUSY worker of `workers` whose job generation
   // `runs(job_id, generation)` denies, unless it was told already about that
   // generation (the record keeps only the workers still stale, so a worker
-  // that took the job up again is told again); each carries
-  // `key_to_call(worker_id)` (WorkerRegistry::KeyToCall).
+  // that took the job up again is told again) and the telling did not fail:
+  // an abort that did not reach the worker (unavailable, a deadline, no
+  // answer) is sent again stale_abort_retry after (one the worker refused,
+  // another key or generation, is not), since nothing else would stop that rank (a
+  // serving TENSOR rank, one stuck in a collective) and its worker would stay
+  // BUSY for good; each carries `key_to_call(worker_id)`
+  // (WorkerRegistry::KeyToCall).
   void StopStaleRanks(const std::vector<v1::Worker>& workers,
                       const std::function<bool(const std::string& job_id, int64_t generation)>& runs,
                       const WorkerKeyToCall& key_to_call)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Sends every queued abort (all at once) and logs failures other than
-  // NOT_FOUND (the rank already ended). Blocks up to abort_timeout.
+  // NOT_FOUND (the rank already ended; a stale rank's failed abort is sent
+  // again, StopStaleRanks). Blocks up to abort_timeout.
   void SendAborts() ABSL_LOCKS_EXCLUDED(mu_);
 
   // `keys` as StopRanks's.
@@ -136,9 +145,20 @@ class RankSupervisor {
   const Options options_;
 
   absl::Mutex mu_;
-  std::vector<WorkerClient::Call<v1::AbortJobRequest>> aborts_ ABSL_GUARDED_BY(mu_);
-  // Workers told to stop a stale rank: worker id -> "job/generation".
-  std::map<std::string, std::string> stale_told_ ABSL_GUARDED_BY(mu_);
+  // A queued abort; `stale_worker`: the worker id of a stale rank's
+  // (StopStaleRanks), "" for a placement's (StopRanks).
+  struct Queued {
+    WorkerClient::Call<v1::AbortJobRequest> call;
+    std::string stale_worker;
+  };
+  std::vector<Queued> aborts_ ABSL_GUARDED_BY(mu_);
+  // Workers told to stop a stale rank: worker id -> "job/generation" and
+  // when to tell it again (InfiniteFuture: sent, not failed).
+  struct Told {
+    std::string key;
+    absl::Time again = absl::InfiniteFuture();
+  };
+  std::map<std::string, Told> stale_told_ ABSL_GUARDED_BY(mu_);
   // Per job: "generation/group#sequence silent RANKS" of each hang returned.
   std::map<std::string, std::set<std::string>> hangs_ ABSL_GUARDED_BY(mu_);
 };

@@ -9,7 +9,8 @@
 namespace colod {
 namespace {
 
-// Records aborts; probes answer by address (OK unless listed).
+// Records aborts; aborts answer by address (NOT_FOUND unless listed in
+// abort_answers), probes too (OK unless listed in answers).
 class FakeWorkers final : public WorkerClient {
  public:
   std::vector<absl::Status> Assign(const std::vector<Call<v1::AssignJobRequest>>& calls, absl::Duration) override {
@@ -17,8 +18,13 @@ class FakeWorkers final : public WorkerClient {
   }
   std::vector<absl::Status> Abort(const std::vector<Call<v1::AbortJobRequest>>& calls, absl::Duration) override {
     absl::MutexLock lock(&mu);
-    for (const auto& c : calls) aborted.push_back(c);
-    return std::vector<absl::Status>(calls.size(), absl::NotFoundError("ended already"));
+    std::vector<absl::Status> out;
+    for (const auto& c : calls) {
+      aborted.push_back(c);
+      auto it = abort_answers.find(c.address);
+      out.push_back(it == abort_answers.end() ? absl::NotFoundError("ended already") : it->second);
+    }
+    return out;
   }
   std::vector<absl::Status> Probe(const std::vector<Call<v1::GetStatusRequest>>& calls, absl::Duration) override {
     absl::MutexLock lock(&mu);
@@ -37,6 +43,7 @@ class FakeWorkers final : public WorkerClient {
   std::vector<Call<v1::GetStatusRequest>> probed;
   int probe_calls = 0;  // Probe's calls (each of many RPCs at once)
   std::map<std::string, absl::Status> answers;
+  std::map<std::string, absl::Status> abort_answers;
 };
 
 // `n` ranks on workers w0..w(n-1) at host:700r.
@@ -137,6 +144,51 @@ TEST_F(RankSupervisorTest, TellsAWorkerRunningAStaleRankToStopOncePerGeneration)
   EXPECT_EQ(fake_->aborted[0].request.job_id(), "a");
   EXPECT_EQ(fake_->aborted[0].request.generation(), 1);
   EXPECT_TRUE(absl::StrContains(fake_->aborted[0].request.reason(), "does not run this job"));
+}
+
+// A stale rank's abort that did not reach its worker is sent again after
+// stale_abort_retry (nothing else stops a serving TENSOR rank, and its
+// worker would stay BUSY for good); one answered (NOT_FOUND: it ended), or
+// refused (PERMISSION_DENIED: another key), is not; a placement's aborts
+// are sent once whatever their answer.
+TEST_F(RankSupervisorTest, AStaleRanksAbortThatFailedIsSentAgainLater) {
+  auto runs = [](const std::string&, int64_t) { return false; };
+  const auto key_to_call = [](const std::string& id) { return "key-of-" + id; };
+  const std::vector<v1::Worker> stale = {Busy("w1", "a", 1), Busy("w2", "a", 1)};
+  fake_->abort_answers["w1:7070"] = absl::UnavailableError("connection refused");
+  fake_->abort_answers["w2:7070"] = absl::PermissionDeniedError("the call's key is not this worker's");
+  // Within the retry interval (10 s by default): told once.
+  supervisor_.StopStaleRanks(stale, runs, key_to_call);
+  supervisor_.SendAborts();
+  EXPECT_EQ(Addresses(fake_->aborted), (std::vector<std::string>{"w1:7070 key-of-w1", "w2:7070 key-of-w2"}));
+  fake_->aborted.clear();
+  supervisor_.StopStaleRanks(stale, runs, key_to_call);
+  supervisor_.SendAborts();
+  EXPECT_TRUE(fake_->aborted.empty());
+  // Past it: the failed one again, until it is answered.
+  RankSupervisor::Options now;
+  now.stale_abort_retry = absl::ZeroDuration();
+  RankSupervisor again(fake_, now);
+  fake_->aborted.clear();
+  for (int pass = 0; pass < 3; ++pass) {
+    again.StopStaleRanks(stale, runs, key_to_call);
+    again.SendAborts();
+  }
+  EXPECT_EQ(Addresses(fake_->aborted), (std::vector<std::string>{"w1:7070 key-of-w1", "w2:7070 key-of-w2",
+                                                                 "w1:7070 key-of-w1", "w1:7070 key-of-w1"}));
+  fake_->abort_answers["w1:7070"] = absl::NotFoundError("ended already");
+  again.StopStaleRanks(stale, runs, key_to_call);
+  again.SendAborts();
+  fake_->aborted.clear();
+  again.StopStaleRanks(stale, runs, key_to_call);
+  again.SendAborts();
+  EXPECT_TRUE(fake_->aborted.empty()) << "answered";
+  // A placement's abort that failed: once.
+  fake_->abort_answers["host:7000"] = absl::UnavailableError("connection refused");
+  again.StopRanks("j", "0a1b", 4, Mesh(1), Keys(1), {}, -1, "why");
+  again.SendAborts();
+  again.SendAborts();
+  EXPECT_EQ(fake_->aborted.size(), 1u);
 }
 
 TEST_F(RankSupervisorTest, ProbesThePeersThatHaveNotEndedButTheFailedRank) {
