@@ -133,13 +133,13 @@ void Scheduler::WaitForAssignments() {
   mu_.Await(absl::Condition(&idle));  // each is bounded by rpc_timeout
 }
 
-void Scheduler::StartAssign(const std::string& job_id) {
+void Scheduler::StartAssign(const std::string& job_id, int64_t generation) {
   {
     absl::MutexLock lock(&mu_);
     ++assigning_;
   }
-  const auto assign = [this, job_id] {
-    Assign(job_id);
+  const auto assign = [this, job_id, generation] {
+    Assign(job_id, generation);
     absl::MutexLock lock(&mu_);
     --assigning_;
     wake_ = true;
@@ -223,6 +223,7 @@ void Scheduler::ScheduleQueued() {
   std::set<std::string> held;  // running a rank, or sitting out a refusal
   std::set<std::string> sitting_out;  // of those, sitting out a refusal or a fault of their own
   std::set<std::string> pending_ids;
+  std::set<std::string> backing_off;  // placements refused in a row: not tried yet (refused_in_a_row_)
   const absl::Time now = clock_->Now();
   {
     absl::MutexLock lock(&mu_);
@@ -233,6 +234,8 @@ void Scheduler::ScheduleQueued() {
       pending_ids.insert(j.job_id());
       auto unrecorded = unrecorded_.find(j.job_id());
       if (unrecorded != unrecorded_.end() && unrecorded->second.until > now) continue;  // it says why
+      auto refused = refused_in_a_row_.find(j.job_id());
+      if (refused != refused_in_a_row_.end() && refused->second.until > now) backing_off.insert(j.job_id());
       if (j.state() == v1::JOB_STATE_RESTARTING) restart_since_.try_emplace(j.job_id(), now);
       ready.push_back(std::move(j));
     }
@@ -262,6 +265,7 @@ void Scheduler::ScheduleQueued() {
     };
     forget_ended(rank0_keys_);
     forget_ended(refusals_);
+    forget_ended(refused_in_a_row_);
     forget_ended(faulted_workers_);
     for (const auto& [id, p] : placed_) {
       for (const v1::RankAssignment& a : p.mesh.ranks()) {
@@ -305,6 +309,13 @@ void Scheduler::ScheduleQueued() {
     if (!decision.ok()) {
       waiting_.erase(job.job_id());
       (void)jobs_->SetState(job.job_id(), v1::JOB_STATE_FAILED, decision.status().message());
+      continue;
+    }
+    if (backing_off.count(job.job_id())) {
+      // Its refusals' wait (its reason says until when): not placed yet, but
+      // it keeps its place, holding the queue where it would (jobs behind
+      // it took the workers it waited for, for as long as they ran).
+      if (decision->placed.has_value() || decision->fits_cluster) return;
       continue;
     }
     if (!decision->placed.has_value()) {
@@ -429,18 +440,25 @@ void Scheduler::ScheduleQueued() {
       store_->OpenScope(p.scope);  // before any rank is assigned; ReleaseLocked deletes it
     }
     COLOD_LOG(INFO) << "job " << job.job_id() << ": " << placed.world_size() << " ranks placed";
-    StartAssign(job.job_id());
+    StartAssign(job.job_id(), scheduled->generation());
   }
 }
 
-void Scheduler::Assign(const std::string& job_id) {
+void Scheduler::Assign(const std::string& job_id, int64_t generation) {
   std::vector<WorkerClient::Call<v1::AssignJobRequest>> calls;
-  int64_t generation = 0;
   {
-    absl::MutexLock lock(&mu_);
+    JobsLock lock(this);
     auto it = placed_.find(job_id);
-    if (it == placed_.end() || it->second.stopping()) return;
-    generation = it->second.generation;
+    if (it == placed_.end() || it->second.generation != generation) return;
+    if (it->second.stopping()) {
+      // Stopped (cancelled, a worker lost) before its assignments went out:
+      // no rank started, so none will report an end (their aborts are
+      // answered NOT_FOUND). Each ends here, or the placement would hold
+      // its workers until stop_grace, and for good without one.
+      for (const v1::RankAssignment& a : it->second.mesh.ranks()) it->second.ended.insert(a.rank());
+      ReleaseLocked();
+      return;
+    }
     v1::AssignJobRequest req;
     req.set_job_id(job_id);
     req.set_generation(it->second.generation);
@@ -490,12 +508,28 @@ void Scheduler::Assign(const std::string& job_id) {
     refused.push_back(absl::StrCat(RankName(p.mesh, a.rank()), " refused the assignment: ", answers[i].ToString()));
   }
   if (refused.empty()) {
+    // Every rank took it: the placements refused before do not count
+    // against a later one (refusals spread over a long run, between drains,
+    // failed it as if in a row).
+    refusals_.erase(job_id);
+    refused_in_a_row_.erase(job_id);
     if (stopped_before_start) ReleaseLocked();  // its last rank may have been one of those
     return;
   }
   // (While a rank's failure is probed, the job fails or restarts for it:
   // a refusal does not take its place.)
   if (p.state == PlacementState::kRunning) {
+    Refused& in_a_row = refused_in_a_row_[job_id];
+    const absl::Duration wait =
+        in_a_row.count == 0
+            ? absl::ZeroDuration()
+            : std::min(options_.refusal_cooloff, absl::Seconds(1) * (int64_t{1} << std::min(in_a_row.count - 1, 20)));
+    in_a_row.until = clock_->Now() + wait;
+    ++in_a_row.count;
+    const std::string next_try = wait > absl::ZeroDuration()
+                                     ? absl::StrCat("; the next try in ", absl::FormatDuration(wait), " (",
+                                                    in_a_row.count, " placements refused in a row)")
+                                     : "";
     // The ranks that started are stopped; the refusing workers sit out
     // refusal_cooloff; the job is placed again once the started ranks ended.
     // Only refusals of the job's own count against max_placements.
@@ -503,13 +537,13 @@ void Scheduler::Assign(const std::string& job_id) {
     const std::string now = absl::StrJoin(refused, "; ");
     if (jobs_fault) refusals.push_back(now);
     if (!jobs_fault) {
-      p.requeue_reason = absl::StrCat(now, "; placing the job again without the refusing worker",
-                                      refused.size() > 1 ? "s" : "", " (the cluster's refusal, not counted against ",
-                                      "the job)");
+      p.requeue_reason =
+          absl::StrCat(now, "; placing the job again without the refusing worker", refused.size() > 1 ? "s" : "",
+                       " (the cluster's refusal, not counted against ", "the job)", next_try);
       StopRanksLocked(p, PlacementState::kRequeueing, p.requeue_reason, -1);
     } else if (static_cast<int>(refusals.size()) < options_.max_placements) {
       p.requeue_reason = absl::StrCat(now, "; placing the job again (placement ", refusals.size() + 1, " of ",
-                                      options_.max_placements, ")");
+                                      options_.max_placements, ")", next_try);
       StopRanksLocked(p, PlacementState::kRequeueing, p.requeue_reason, -1);
     } else {
       EndLocked(p, v1::JOB_STATE_FAILED, absl::StrCat("every placement was refused: ", absl::StrJoin(refusals, "; ")),
@@ -998,6 +1032,7 @@ void Scheduler::ReleaseLocked() {
         // Done, or restarting (it stays RESTARTING; ScheduleQueued places it
         // again and times its wait for workers from now).
         refusals_.erase(p.job_id);
+        refused_in_a_row_.erase(p.job_id);
         if (p.state == PlacementState::kRestarting) {
           restart_since_[p.job_id] = clock_->Now();
         } else {

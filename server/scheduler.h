@@ -92,7 +92,8 @@ class Scheduler {
     // workers, or on the same one once this passed) under a new generation.
     // A worker that says the job cannot run (INVALID_ARGUMENT,
     // UNIMPLEMENTED) refuses for the job's reasons: after max_placements
-    // such placements the job fails listing them. Other refusals (no answer,
+    // such placements with none every rank took in between (nor a restart)
+    // the job fails listing them. Other refusals (no answer,
     // busy, unauthenticated) are the cluster's and never fail the job. A job
     // whose new generation cannot be recorded (a full disk under the data
     // dir) waits as long before it is placed again, twice as long after
@@ -285,8 +286,9 @@ class Scheduler {
   void ScheduleQueued();
   // Sends the placement's assignments (all at once) and handles refusals;
   // runs on a thread of its own (StartAssign), counted in assigning_.
-  void Assign(const std::string& job_id);
-  void StartAssign(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Of the placement of `generation` only (none of a later one).
+  void Assign(const std::string& job_id, int64_t generation);
+  void StartAssign(const std::string& job_id, int64_t generation) ABSL_LOCKS_EXCLUDED(mu_);
   // Blocks until no Assign thread runs.
   void WaitForAssignments() ABSL_LOCKS_EXCLUDED(mu_);
   // Fails or finishes the job: final state, aborts to the ranks still
@@ -379,6 +381,18 @@ class Scheduler {
   std::map<std::string, absl::Time> restart_since_ ABSL_GUARDED_BY(mu_);
   // Per job placed again after refusals: the refusals so far.
   std::map<std::string, std::vector<std::string>> refusals_ ABSL_GUARDED_BY(mu_);
+  // Per job whose placements were refused in a row (either kind): not
+  // placed again until `until` (its reason says when), keeping its place in
+  // the queue meanwhile: at once after the first, then 1 s, doubled at each
+  // up to refusal_cooloff (a cluster whose workers all refuse, a full disk
+  // each, placed and refused a job twice a second, two events each, for as
+  // long as it lasted). Dropped once every rank took a placement, or the job
+  // restarts or ends.
+  struct Refused {
+    absl::Time until;
+    int count = 0;
+  };
+  std::map<std::string, Refused> refused_in_a_row_ ABSL_GUARDED_BY(mu_);
   // Per job: the workers whose own fault (RankResult.worker_fault) failed a
   // rank of it, over its restarts.
   std::map<std::string, std::set<std::string>> faulted_workers_ ABSL_GUARDED_BY(mu_);

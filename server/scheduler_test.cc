@@ -22,6 +22,7 @@
 #include <set>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/proto_time.h"
@@ -522,6 +523,122 @@ void DrainedEnd(v1::ReportProgressRequest* req, bool leaving) {
   req->mutable_result()->set_message("stopped after step 4 for a drain (a worker of the job shuts down)");
   req->mutable_result()->set_drained(true);
   req->mutable_result()->set_worker_leaving(leaving);
+}
+
+// Placements refused in a row (here the cluster's: workers that do not
+// answer) are tried again at once after the first, then 1 s, 2 s, 4 s ...
+// after (at most the cool-off), not as fast as the workers come free: the
+// history grows by two events a try. A placement taken by every rank starts
+// over.
+TEST_F(SchedulerTest, APlacementRefusedInARowWaitsLongerEachTime) {
+  Start(8);
+  for (int w = 1; w <= 8; ++w) fake_->refuse.insert(absl::StrCat("10.0.0.", w, ":7071"));
+  auto job = jobs_->Submit(TrainSpec(1, 1), "");
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::string id = job->job_id();
+  scheduler_->TickForTest();
+  ASSERT_EQ(Job(id).generation(), 1);
+  scheduler_->TickForTest();  // at once after the first
+  ASSERT_EQ(Job(id).generation(), 2);
+  EXPECT_TRUE(absl::StrContains(Job(id).reason(), "; the next try in 1s (2 placements refused in a row)"))
+      << Job(id).reason();
+  for (int64_t wait : {1, 2, 4}) {
+    SCOPED_TRACE(absl::StrCat("a wait of ", wait, " s"));
+    const int64_t generation = Job(id).generation();
+    ASSERT_EQ(Job(id).state(), v1::JOB_STATE_PENDING) << Job(id).reason();
+    if (wait > 1) {
+      Pass(absl::Seconds(wait - 1));
+      scheduler_->TickForTest();
+      EXPECT_EQ(Job(id).generation(), generation) << "placed again before its wait";
+    }
+    Pass(absl::Seconds(1));
+    scheduler_->TickForTest();
+    EXPECT_EQ(Job(id).generation(), generation + 1);
+  }
+  // A worker that takes it, after the next wait (8 s).
+  fake_->refuse.clear();
+  Pass(absl::Seconds(7));
+  scheduler_->TickForTest();
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_PENDING);
+  Pass(absl::Seconds(1));
+  scheduler_->TickForTest();
+  ASSERT_EQ(Job(id).state(), v1::JOB_STATE_SCHEDULED) << Job(id).reason();
+}
+
+// A job waiting out its refusals keeps its place in the queue: a job
+// submitted after it is not placed on the workers it waits for.
+TEST_F(SchedulerTest, AJobWaitingOutItsRefusalsKeepsItsPlaceInTheQueue) {
+  Start(6);
+  for (int w = 1; w <= 6; ++w) fake_->refuse.insert(absl::StrCat("10.0.0.", w, ":7071"));
+  auto first = jobs_->Submit(TrainSpec(2, 1), "");
+  ASSERT_TRUE(first.ok()) << first.status();
+  scheduler_->TickForTest();
+  scheduler_->TickForTest();  // refused twice: 4 workers sit out, the next try in 1 s
+  ASSERT_EQ(Job(first->job_id()).generation(), 2);
+  fake_->refuse.clear();
+  auto second = jobs_->Submit(TrainSpec(1, 1), "");
+  ASSERT_TRUE(second.ok()) << second.status();
+  scheduler_->TickForTest();
+  EXPECT_EQ(Job(first->job_id()).generation(), 2);
+  EXPECT_EQ(Job(second->job_id()).state(), v1::JOB_STATE_PENDING) << "behind the first, which fits the 2 idle";
+  EXPECT_EQ(Job(second->job_id()).generation(), 0);
+  Pass(absl::Seconds(1));
+  scheduler_->TickForTest();
+  EXPECT_EQ(Job(first->job_id()).state(), v1::JOB_STATE_SCHEDULED) << Job(first->job_id()).reason();
+  EXPECT_EQ(Job(second->job_id()).state(), v1::JOB_STATE_PENDING);
+}
+
+// A placement every rank took starts the count of refused ones afresh: a
+// job placed again after each drain, twice refused each time by workers
+// that say it cannot run (max_placements 3), is not failed by refusals
+// spread over its run, only by three in a row.
+TEST_F(SchedulerTest, APlacementEveryRankTookStartsTheCountOfRefusalsAfresh) {
+  Start(3);
+  v1::JobSpec spec = TrainSpec(2, 1);
+  spec.mutable_restart()->set_max_restarts(1);
+  auto job = jobs_->Submit(spec, "");
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::string id = job->job_id();
+  fake_->refusal = absl::InvalidArgumentError("an older worker");
+  const std::set<std::string> everyone = {"10.0.0.1:7071", "10.0.0.2:7071", "10.0.0.3:7071"};
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE(absl::StrCat("round ", round));
+    fake_->refuse = everyone;
+    if (round == 0) {
+      scheduler_->TickForTest();  // placed, refused
+    } else {                      // drained: placed again, refused
+      v1::ReportProgressRequest drained;
+      DrainedEnd(&drained, /*leaving=*/true);
+      ASSERT_TRUE(Report(id, 1, drained).ok());
+      DrainedEnd(&drained, /*leaving=*/false);
+      ASSERT_TRUE(Report(id, 0, drained).ok());
+      scheduler_->TickForTest();
+    }
+    ASSERT_EQ(Job(id).state(), v1::JOB_STATE_PENDING) << Job(id).reason();
+    Pass(absl::Seconds(31));  // the refusing workers' cool-off
+    scheduler_->TickForTest();
+    ASSERT_EQ(Job(id).state(), v1::JOB_STATE_PENDING) << Job(id).reason();
+    EXPECT_TRUE(absl::StrContains(Job(id).reason(), "(placement 3 of 3)")) << Job(id).reason();
+    Pass(absl::Seconds(31));
+    fake_->refuse.clear();
+    scheduler_->TickForTest();
+    ASSERT_EQ(Job(id).state(), v1::JOB_STATE_SCHEDULED) << Job(id).reason();
+    Training(id);
+    ASSERT_NO_FATAL_FAILURE(Checkpointed(id, 2 * (round + 1)));
+  }
+  // Three in a row fail it.
+  fake_->refuse = everyone;
+  v1::ReportProgressRequest drained;
+  DrainedEnd(&drained, /*leaving=*/true);
+  ASSERT_TRUE(Report(id, 1, drained).ok());
+  DrainedEnd(&drained, /*leaving=*/false);
+  ASSERT_TRUE(Report(id, 0, drained).ok());
+  for (int placement = 1; placement <= 3; ++placement) {
+    scheduler_->TickForTest();
+    Pass(absl::Seconds(31));
+  }
+  EXPECT_EQ(Job(id).state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(absl::StartsWith(Job(id).reason(), "every placement was refused: ")) << Job(id).reason();
 }
 
 // A job that saves checkpoints, on workers that all drain, is assigned with
