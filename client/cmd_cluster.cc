@@ -206,11 +206,17 @@ int RunDelete(const std::vector<std::string>& operands) {
 
 int RunMesh(const std::vector<std::string>& operands) {
   return WithCoordinator([&](CoordinatorClient& client) {
-    auto mesh = client.GetMesh(operands[0]);
-    if (!mesh.ok()) return Fail(mesh.status());
-    if (JsonOutput()) return PrintJson(*mesh);
+    auto got = client.GetMesh(operands[0]);
+    if (!got.ok()) return Fail(got.status());
+    if (got->state() != v1::JOB_STATE_SCHEDULED && got->state() != v1::JOB_STATE_RUNNING) {
+      std::fprintf(stderr,
+                   "coloctl: %s (%s): the mesh of its last attempt (generation %lld), whose workers may run "
+                   "other jobs now\n",
+                   operands[0].c_str(), JobStateLabel(got->state()).c_str(), static_cast<long long>(got->generation()));
+    }
+    if (JsonOutput()) return PrintJson(got->mesh());
     std::printf("mesh of %s: ", operands[0].c_str());
-    std::fputs(RenderMesh(*mesh).c_str(), stdout);
+    std::fputs(RenderMesh(got->mesh()).c_str(), stdout);
     return 0;
   });
 }

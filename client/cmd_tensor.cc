@@ -122,8 +122,9 @@ int TensorDemo(CoordinatorClient& c, bool json) {
   };
   auto run = [&]() -> absl::Status {
     RETURN_IF_ERROR(WaitRunning(c, id, absl::GetFlag(FLAGS_timeout) * 6));
-    auto mesh = c.GetMesh(id);
-    if (!mesh.ok()) return mesh.status();
+    auto got = c.GetMesh(id);
+    if (!got.ok()) return got.status();
+    const v1::MeshSpec* mesh = &got->mesh();
     nlohmann::json stages = nlohmann::json::array();
     auto show = [&](const std::string& what, const v1::TensorLayout& layout) -> absl::Status {
       nlohmann::json ranks = nlohmann::json::array();
@@ -267,7 +268,7 @@ int TensorWith(CoordinatorClient& c, const std::vector<std::string>& operands, b
   }
   auto mesh = c.GetMesh(operands[1]);
   if (!mesh.ok()) return Fail(mesh.status());
-  auto spec = ParseDistSpecText(absl::GetFlag(FLAGS_spec), *mesh);
+  auto spec = ParseDistSpecText(absl::GetFlag(FLAGS_spec), mesh->mesh());
   if (!spec.ok()) return Usage(absl::StrCat("--spec: ", spec.status().message()));
   absl::StatusOr<v1::TensorLayout> layout;
   if (sub == "reshard") {

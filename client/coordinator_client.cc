@@ -206,14 +206,14 @@ absl::Status CoordinatorClient::DeleteJob(const std::string& job_id) {
   return Annotate(stub_->DeleteJob(&ctx, req, &resp), ctx, address_, "DeleteJob");
 }
 
-absl::StatusOr<v1::MeshSpec> CoordinatorClient::GetMesh(const std::string& job_id) {
+absl::StatusOr<v1::GetMeshResponse> CoordinatorClient::GetMesh(const std::string& job_id) {
   grpc::ClientContext ctx;
   SetDeadline(ctx);
   v1::GetMeshRequest req;
   req.set_job_id(job_id);
   v1::GetMeshResponse resp;
   RETURN_IF_ERROR(Annotate(stub_->GetMesh(&ctx, req, &resp), ctx, address_, "GetMesh"));
-  return resp.mesh();
+  return resp;
 }
 
 absl::Status CoordinatorClient::WatchJob(const std::string& job_id, int64_t from_sequence, absl::Duration timeout,

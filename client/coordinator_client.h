@@ -67,8 +67,10 @@ class CoordinatorClient {
   absl::StatusOr<v1::Job> CancelJob(const std::string& job_id, const std::string& reason = "");
   // Forgets an ended job (DeleteJob).
   absl::Status DeleteJob(const std::string& job_id);
-  // FAILED_PRECONDITION before the job's ranks are assigned.
-  absl::StatusOr<v1::MeshSpec> GetMesh(const std::string& job_id);
+  // The job's mesh, with its state and generation (the last attempt's mesh
+  // once that ended); FAILED_PRECONDITION before the job's ranks are
+  // assigned.
+  absl::StatusOr<v1::GetMeshResponse> GetMesh(const std::string& job_id);
   // Streams the job's events from `from_sequence` to `on_event` until the
   // job ends (OK), `on_event` returns false (CANCELLED), or `timeout` passes
   // (DEADLINE_EXCEEDED: a watch is long, so it has its own deadline). A

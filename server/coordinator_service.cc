@@ -36,6 +36,10 @@ constexpr int kMaxJobsPage = 1000;
 // reaches them).
 constexpr int kMaxWorkersPage = 1000;
 constexpr size_t kWorkersPageBytes = size_t{1} << 20;
+// ListJobs pages end after the job that brings them to this many bytes (a
+// job's config_json alone may take 1 MiB in the FULL view; its checkpoint
+// list half of that in either).
+constexpr size_t kJobsPageBytes = size_t{1} << 20;
 
 // A CancelJob's or DeregisterWorker's reason, recorded in a job's history
 // (which every full read of the job carries): at most 1024 bytes.
@@ -295,14 +299,17 @@ grpc::Status CoordinatorServiceImpl::ListJobs(grpc::ServerContext* ctx, const v1
       return absl::InvalidArgumentError("page_token: not a token from ListJobs' next_page_token");
     }
     const bool full = req->view() == v1::JOB_VIEW_FULL;
-    JobManager::Page page = jobs_->ListPage(states, after, limit, [full](v1::Job& j) {
-      if (full) return;
-      j.mutable_spec()->mutable_model()->clear_config_json();
-      j.mutable_mesh()->clear_groups();
-      j.mutable_mesh()->clear_ranks();
-      j.clear_attempt_failures();
-      j.mutable_forward_result()->clear_unread_tensors();  // (their count stays)
-    });
+    JobManager::Page page = jobs_->ListPage(
+        states, after, limit,
+        [full](v1::Job& j) {
+          if (full) return;
+          j.mutable_spec()->mutable_model()->clear_config_json();
+          j.mutable_mesh()->clear_groups();
+          j.mutable_mesh()->clear_ranks();
+          j.clear_attempt_failures();
+          j.mutable_forward_result()->clear_unread_tensors();  // (their count stays)
+        },
+        kJobsPageBytes);
     for (v1::Job& j : page.jobs) *resp->add_jobs() = std::move(j);
     if (page.more) resp->set_next_page_token(absl::StrCat("after:", resp->jobs(resp->jobs_size() - 1).job_id()));
     return absl::OkStatus();
@@ -385,6 +392,8 @@ grpc::Status CoordinatorServiceImpl::GetMesh(grpc::ServerContext* ctx, const v1:
                        JobStateName(job.state()), ")"));
     }
     *resp->mutable_mesh() = job.mesh();
+    resp->set_state(job.state());
+    resp->set_generation(job.generation());
     return absl::OkStatus();
   });
 }

@@ -1137,19 +1137,21 @@ std::vector<v1::Job> JobManager::List(const std::vector<v1::JobState>& states) {
 }
 
 JobManager::Page JobManager::ListPage(const std::vector<v1::JobState>& states, absl::string_view after, int limit,
-                                     const std::function<void(v1::Job&)>& view) {
+                                      const std::function<void(v1::Job&)>& view, size_t max_bytes) {
   absl::MutexLock lock(&mu_);
   Page page;
+  size_t bytes = 0;
   auto it = after.empty() ? jobs_.begin() : jobs_.upper_bound(std::string(after));
   for (; it != jobs_.end(); ++it) {
     const v1::Job& job = it->second.job;
     if (!states.empty() && std::find(states.begin(), states.end(), job.state()) == states.end()) continue;
-    if (static_cast<int>(page.jobs.size()) == limit) {
+    if (static_cast<int>(page.jobs.size()) == limit || (!page.jobs.empty() && bytes >= max_bytes)) {
       page.more = true;
       break;
     }
     page.jobs.push_back(job);
     if (view) view(page.jobs.back());
+    bytes += page.jobs.back().ByteSizeLong();
   }
   return page;
 }

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -110,14 +111,16 @@ class JobManager {
   // Jobs in submission order; only `states` if non-empty.
   std::vector<v1::Job> List(const std::vector<v1::JobState>& states);
   // A page of List: up to `limit` jobs whose ids come after `after` (all
-  // when empty), each passed through `view` as it is copied out; `more` says
-  // whether jobs follow.
+  // when empty), each passed through `view` as it is copied out, the page
+  // ending after the job that brings it to `max_bytes` (its jobs' encoded
+  // sizes, as viewed); `more` says whether jobs follow.
   struct Page {
     std::vector<v1::Job> jobs;
     bool more = false;
   };
   Page ListPage(const std::vector<v1::JobState>& states, absl::string_view after, int limit,
-                const std::function<void(v1::Job&)>& view = nullptr);
+                const std::function<void(v1::Job&)>& view = nullptr,
+                size_t max_bytes = std::numeric_limits<size_t>::max());
   // Moves a job that has not ended to CANCELLED. FAILED_PRECONDITION if it
   // already ended, NOT_FOUND if unknown.
   absl::StatusOr<v1::Job> Cancel(absl::string_view job_id, absl::string_view reason);

@@ -773,6 +773,15 @@ TEST(JobManager, AJobOfSevenDigitsComesAfterThoseOfSix) {
     EXPECT_EQ(rest.jobs[0].job_id(), "job-1000000");
     EXPECT_EQ(rest.jobs[1].job_id(), "job-1000001");
     EXPECT_FALSE(rest.more);
+    // A page ends after the job that brings it to its bytes (ListJobs':
+    // 1 MiB), the last one without more.
+    const JobManager::Page by_bytes = (*jobs)->ListPage({}, "", 10, nullptr, /*max_bytes=*/1);
+    ASSERT_EQ(by_bytes.jobs.size(), 1u);
+    EXPECT_TRUE(by_bytes.more);
+    const JobManager::Page last = (*jobs)->ListPage({}, "job-1000000", 10, nullptr, /*max_bytes=*/1);
+    ASSERT_EQ(last.jobs.size(), 1u);
+    EXPECT_EQ(last.jobs[0].job_id(), "job-1000001");
+    EXPECT_FALSE(last.more);
   }
 }
 

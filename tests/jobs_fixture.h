@@ -165,7 +165,7 @@ class JobsTest : public ::testing::Test {
       ADD_FAILURE() << mesh.status();
       return out;
     }
-    out.mesh = *mesh;
+    out.mesh = mesh->mesh();
     out.worker = WorkerOf(out.mesh, rank);
     if (out.worker < 0) ADD_FAILURE() << "no worker holds rank " << rank;
     return out;

@@ -134,8 +134,11 @@ TEST_F(JobsTest, TrainsOnTheWorkersWithTheInProcessLossesAndSurvivesARestart) {
 
   // The mesh is ColossalAI's ProcessGroup(tp_degree=2, dp_degree=2) layout,
   // each rank on its own worker, and `coloctl mesh` draws it.
-  auto mesh = client_->GetMesh(job->job_id());
-  ASSERT_TRUE(mesh.ok()) << mesh.status();
+  auto got_mesh = client_->GetMesh(job->job_id());
+  ASSERT_TRUE(got_mesh.ok()) << got_mesh.status();
+  EXPECT_EQ(got_mesh->state(), v1::JOB_STATE_SUCCEEDED);  // the mesh of its (last) attempt
+  EXPECT_EQ(got_mesh->generation(), done->generation());
+  const v1::MeshSpec* mesh = &got_mesh->mesh();
   std::map<std::string, std::vector<int>> groups;
   for (const v1::ProcessGroupSpec& g : mesh->groups()) {
     groups[absl::StrCat(g.axis(), g.index())] = std::vector<int>(g.ranks().begin(), g.ranks().end());
@@ -152,6 +155,8 @@ TEST_F(JobsTest, TrainsOnTheWorkersWithTheInProcessLossesAndSurvivesARestart) {
                           TempPath(""));
   ASSERT_EQ(drawn.code, 0) << drawn.err;
   EXPECT_TRUE(absl::StrContains(drawn.out, "tp0: {0,1}")) << drawn.out;
+  EXPECT_TRUE(absl::StrContains(drawn.err, absl::StrCat(job->job_id(), " (succeeded): the mesh of its last attempt")))
+      << drawn.err;
   EXPECT_TRUE(absl::StrContains(drawn.out, "dp1: {1,3}")) << drawn.out;
 
   // Every daemon's metrics parse. Each worker ran one rank of the job (its
