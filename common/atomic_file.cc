@@ -205,7 +205,7 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path, int64_t ma
   ASSIGN_OR_RETURN(const RegularFileReader file, RegularFileReader::Open(path));
   if (file.size() > max_bytes) {
     return absl::FailedPreconditionError(absl::StrCat("cannot read '", path, "': it holds ", file.size(),
-                                                      " bytes, more than the ", max_bytes, " expected (it grew)"));
+                                                      " bytes, more than the ", max_bytes, " expected"));
   }
   std::string out(static_cast<size_t>(file.size()), '\0');
   RETURN_IF_ERROR(file.ReadAt(0, out.data(), out.size()));

@@ -101,7 +101,8 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path);
 // opened as (RegularFileReader: never waited on; a FIFO or a device is
 // INVALID_ARGUMENT, so one swapped in after the caller's check can neither
 // block the read nor feed it without end); FAILED_PRECONDITION where it
-// holds more than `max_bytes` (it grew since it was measured).
+// holds more than `max_bytes` (it grew since it was measured, or is past
+// what such a file holds), nothing of it read.
 absl::StatusOr<std::string> ReadFileToString(const std::string& path, int64_t max_bytes);
 
 // A regular file open for reads at given offsets, closed when it goes. The

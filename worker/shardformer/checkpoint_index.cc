@@ -254,7 +254,10 @@ absl::StatusOr<CheckpointIndex> ParseCheckpointIndex(absl::string_view text, abs
 
 absl::StatusOr<CheckpointIndex> ReadCheckpointIndex(const std::string& dir) {
   const std::string path = absl::StrCat(dir, "/", kCheckpointIndex);
-  ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
+  // (A block a tensor a rank: some 200 bytes each, tens of MiB for the
+  // largest models and meshes. One past this is read no further.)
+  constexpr int64_t kMaxIndexBytes = int64_t{1} << 30;
+  ASSIGN_OR_RETURN(std::string text, ReadFileToString(path, kMaxIndexBytes));
   return ParseCheckpointIndex(text, path);
 }
 

@@ -194,8 +194,14 @@ absl::StatusOr<int32_t> SavedDataParallelSize(const Json& state, const std::stri
   return static_cast<int32_t>(*dp);
 }
 
+// The most bytes a train_state.json holds (a few KiB: its lineage, at most
+// kMaxCheckpointLineage ids, is the most of it): one past it is read no
+// further (a file truncated to a terabyte, or a link to one, was read whole,
+// or threw allocating it, at every listing of the directory).
+constexpr int64_t kMaxTrainStateBytes = int64_t{16} << 20;
+
 absl::StatusOr<Json> ReadJson(const std::string& path) {
-  ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
+  ASSIGN_OR_RETURN(std::string text, ReadFileToString(path, kMaxTrainStateBytes));
   Json j = ParseJson(text);
   if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat(path, " is not a JSON object"));
   return j;
@@ -214,6 +220,18 @@ absl::StatusOr<std::optional<int64_t>> MaskTokenIdField(const Json& state, const
     return absl::InvalidArgumentError(absl::StrCat(where, ": mask_token_id: not a token id"));
   }
   return std::optional<int64_t>(state["mask_token_id"].get<int64_t>());
+}
+
+// The parameters' dtype a checkpoint records (none: written before
+// 2026-12-07); INVALID_ARGUMENT where it is not a float dtype's name.
+absl::StatusOr<std::optional<DType>> ParamDTypeField(const Json& state, const std::string& where) {
+  if (!state.contains("param_dtype")) return std::optional<DType>();
+  absl::StatusOr<DType> dtype = state["param_dtype"].is_string() ? ParseDType(state["param_dtype"].get<std::string>())
+                                                                 : absl::InvalidArgumentError("not a string");
+  if (dtype.ok() && !IsFloat(*dtype))
+    dtype = absl::InvalidArgumentError(absl::StrCat(DTypeName(*dtype), " is not a float dtype"));
+  if (!dtype.ok()) return absl::InvalidArgumentError(absl::StrCat(where, ": param_dtype: ", dtype.status().message()));
+  return std::optional<DType>(*dtype);
 }
 
 // fp16's loss scale a checkpoint records, with its good steps (none: another
@@ -240,18 +258,25 @@ absl::StatusOr<std::optional<std::pair<double, int64_t>>> LossScaleField(const J
 absl::Status ValidateFiles(const std::string& step_dir, const Json& state) {
   RETURN_IF_ERROR(shardformer::ReadCheckpointIndex(step_dir).status());
   const std::string where = absl::StrCat(step_dir, "/", kState);
-  RETURN_IF_ERROR(CheckedStep(step_dir, state).status());
+  ASSIGN_OR_RETURN(const int64_t step, CheckedStep(step_dir, state));
   ASSIGN_OR_RETURN(const int64_t world, IntField(state, "world_size", where));
   if (world < 1 || world > kMaxWorldSize) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": world_size ", world));
   }
   // Every field a resume reads, so that a damaged one is skipped for an
   // older checkpoint rather than failing the job when it is restored.
-  RETURN_IF_ERROR(CountField(state, "optimizer_steps", where).status());
+  // (A step updates once at most: more is a damaged count, which the next
+  // update would carry past int64's range.)
+  ASSIGN_OR_RETURN(const int64_t updates, CountField(state, "optimizer_steps", where));
+  if (updates > step) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": optimizer_steps ", updates, " is past the checkpoint's step ", step));
+  }
   RETURN_IF_ERROR(SeedField(state, where).status());
   RETURN_IF_ERROR(SavedDataParallelSize(state, where).status());
   RETURN_IF_ERROR(MaskTokenIdField(state, where).status());
   RETURN_IF_ERROR(LossScaleField(state, where).status());
+  RETURN_IF_ERROR(ParamDTypeField(state, where).status());
   for (int r = 0; r < world; ++r) {
     for (const std::string& name :
          {absl::StrFormat("rank-%05d-of-%05d.safetensors", r, world), OptimFile(r, world)}) {
@@ -828,6 +853,24 @@ absl::StatusOr<std::string> LatestCheckpoint(const std::string& dir, std::vector
   return absl::NotFoundError(absl::StrCat("no complete checkpoint in ", dir));
 }
 
+namespace {
+
+// The parameters' dtype a checkpoint's index says: BF16 or F16 where any
+// tensor is (only mixed precision writes them), F32 where every one is;
+// none where the index does not read or names another.
+std::optional<DType> IndexedParamDType(const std::string& checkpoint) {
+  const absl::StatusOr<shardformer::CheckpointIndex> index = shardformer::ReadCheckpointIndex(checkpoint);
+  if (!index.ok() || index->tensors.empty()) return std::nullopt;
+  std::set<std::string> dtypes;
+  for (const auto& [name, t] : index->tensors) dtypes.insert(t.dtype);
+  if (dtypes.count("BF16")) return DType::kBF16;
+  if (dtypes.count("F16")) return DType::kF16;
+  if (dtypes == std::set<std::string>{"F32"}) return DType::kF32;
+  return std::nullopt;
+}
+
+}  // namespace
+
 absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint) {
   ASSIGN_OR_RETURN(Json state, ReadJson(checkpoint + "/" + kState));
   const std::string where = absl::StrCat(checkpoint, "/", kState);
@@ -847,13 +890,11 @@ absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint) {
     if (w.Check().ok() && w.lineage.size() == state["lineage"].size()) r.lineage = std::move(w.lineage);
   }
   if (state.contains("report") && state["report"].is_object()) r.report = JsonText(state["report"]);
-  if (state.contains("param_dtype")) {  // (not in a checkpoint of before 2026-12)
-    absl::StatusOr<DType> dtype = state["param_dtype"].is_string() ? ParseDType(state["param_dtype"].get<std::string>())
-                                                                   : absl::InvalidArgumentError("not a string");
-    if (!dtype.ok())
-      return absl::InvalidArgumentError(absl::StrCat(where, ": param_dtype: ", dtype.status().message()));
-    r.param_dtype = *dtype;
-  }
+  ASSIGN_OR_RETURN(r.param_dtype, ParamDTypeField(state, where));
+  // A checkpoint of before 2026-12-07 records none, though bf16 and f16
+  // runs saved theirs from 2026-11-23: the index's dtypes say which (a
+  // 16-bit tensor is a mixed-precision run's; f32 alone an f32 run's).
+  if (!r.param_dtype.has_value()) r.param_dtype = IndexedParamDType(checkpoint);
   ASSIGN_OR_RETURN(r.mask_token_id, MaskTokenIdField(state, where));
   ASSIGN_OR_RETURN(const auto scale, LossScaleField(state, where));  // (scale, good steps)
   if (scale.has_value()) {
@@ -1048,7 +1089,8 @@ absl::Status ConsolidateTrainingCheckpoint(const std::string& dir, const std::st
                      " model is made of, is not known; --dtype auto "
                      "writes its parameters as saved"));
   }
-  const DType saved = state->param_dtype.value_or(DType::kF32);  // (before 2026-12: f32 runs only)
+  // (Inferred from the index where the state records none: ReadTrainState.)
+  const DType saved = state->param_dtype.value_or(DType::kF32);
   if (*dtype == saved || saved == DType::kF32) return shardformer::ConsolidateCheckpoint(dir, out_dir, dtype);
   // Every file opens and validates before anything is written.
   if (const absl::Status valid = Validate(dir); !valid.ok()) {

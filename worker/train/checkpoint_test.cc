@@ -265,6 +265,26 @@ TEST(Consolidation, ATrainingCheckpointInAnotherDTypeIsItsMasterWeights) {
       ASSERT_EQ(got.shape(), t.shape()) << name;
       EXPECT_EQ(std::memcmp(got.raw_data(), t.raw_data(), t.nbytes()), 0) << name << " (ZeRO " << zero << ")";
     }
+    // A checkpoint of before 2026-12-07 records no param_dtype: its index's
+    // bf16 tensors say it was a bf16 run's, and f32 is still its masters
+    // (read as f32, it was the bf16 parameters widened).
+    const std::string old = TempPath(absl::StrCat("masters_old_", zero));
+    fs::copy(step, old, fs::copy_options::recursive);
+    {
+      std::ifstream in(old + "/train_state.json");
+      nlohmann::json s = nlohmann::json::parse(in);
+      ASSERT_EQ(s.erase("param_dtype"), 1u);
+      std::ofstream(old + "/train_state.json", std::ios::trunc) << s.dump();
+    }
+    const absl::StatusOr<Resumed> old_state = ReadTrainState(old);
+    ASSERT_TRUE(old_state.ok()) << old_state.status();
+    EXPECT_EQ(old_state->param_dtype, std::optional<DType>(DType::kBF16));
+    const std::string old_f32 = TempPath(absl::StrCat("masters_old_f32_", zero));
+    ASSERT_TRUE(ConsolidateTrainingCheckpoint(old, old_f32, DType::kF32).ok());
+    for (const auto& [name, t] : read(old_f32)) {
+      EXPECT_EQ(std::memcmp(from_run.at(name).raw_data(), t.raw_data(), t.nbytes()), 0)
+          << name << " (ZeRO " << zero << ")";
+    }
     const std::string f16 = TempPath(absl::StrCat("masters_f16_", zero));
     ASSERT_TRUE(ConsolidateTrainingCheckpoint(step, f16, DType::kF16).ok());
     for (const auto& [name, t] : read(f16)) {
@@ -908,14 +928,28 @@ TEST(Checkpoints, OnlyAStepDirectoryOfItsOwnStepIsACheckpoint) {
     s["step"] = 1000005;
     s.erase("layout");
   });
+  plant("step-1000006", [](nlohmann::json& s) {
+    s["step"] = 1000006;
+    s["param_dtype"] = "i32";  // (it would load the weights as integers)
+  });
+  plant("step-1000009", [](nlohmann::json& s) {
+    s["step"] = 1000009;
+    s["optimizer_steps"] = std::numeric_limits<int64_t>::max();  // (the next update would overflow it)
+  });
+  // A train_state.json of a terabyte (a sparse file here; a link to one):
+  // read no further than its bound, never whole.
+  plant("step-1000007", [](nlohmann::json& s) { s["step"] = 1000007; });
+  fs::resize_file(dir + "/step-1000007/train_state.json", uintmax_t{1} << 40);
   skipped.clear();
   latest = LatestCheckpoint(dir, &skipped);
   ASSERT_TRUE(latest.ok()) << latest.status();
   EXPECT_EQ(*latest, dir + "/step-1000000");
-  ASSERT_EQ(skipped.size(), 5u) << absl::StrJoin(skipped, "\n");
+  ASSERT_EQ(skipped.size(), 8u) << absl::StrJoin(skipped, "\n");
   const std::string reasons = absl::StrJoin(skipped, "\n");
   for (const char* why : {"step -3 is negative", "step is not an integer", "seed is not an unsigned integer",
-                                 "optimizer_steps -1 is negative", "layout is not an object"}) {
+                          "optimizer_steps -1 is negative", "layout is not an object",
+                          "param_dtype: i32 is not a float dtype", "bytes, more than the 16777216 expected",
+                          "optimizer_steps 9223372036854775807 is past the checkpoint's step 1000009"}) {
     EXPECT_NE(reasons.find(why), std::string::npos) << why << " in " << reasons;
   }
   auto resumed = ReadTrainState(*latest);
@@ -925,8 +959,8 @@ TEST(Checkpoints, OnlyAStepDirectoryOfItsOwnStepIsACheckpoint) {
   // A rank file whose header says U32 where colod wrote F32 (the same
   // size: the file still parses) is a damaged checkpoint, passed over, not
   // one that fails the resume at its first read.
-  plant("step-1000006", [](nlohmann::json& s) { s["step"] = 1000006; });
-  const std::string rank0 = dir + "/step-1000006/rank-00000-of-00002.safetensors";
+  plant("step-1000008", [](nlohmann::json& s) { s["step"] = 1000008; });
+  const std::string rank0 = dir + "/step-1000008/rank-00000-of-00002.safetensors";
   std::string bytes;
   {
     std::ifstream in(rank0, std::ios::binary);
@@ -940,7 +974,7 @@ TEST(Checkpoints, OnlyAStepDirectoryOfItsOwnStepIsACheckpoint) {
   latest = LatestCheckpoint(dir, &skipped);
   ASSERT_TRUE(latest.ok()) << latest.status();
   EXPECT_EQ(*latest, dir + "/step-1000000");
-  ASSERT_EQ(skipped.size(), 6u) << absl::StrJoin(skipped, "\n");
+  ASSERT_EQ(skipped.size(), 9u) << absl::StrJoin(skipped, "\n");
   EXPECT_NE(absl::StrJoin(skipped, "\n").find("is U32, a dtype colod's checkpoints never hold"), std::string::npos)
       << absl::StrJoin(skipped, "\n");
 }
