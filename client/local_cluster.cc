@@ -207,9 +207,9 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(Options option
     c->workers_.push_back(std::move(w));
   }
   while (true) {
+    if (cancelled()) return cancel();  // first, as above (a cancel asked as the workers registered wins)
     auto workers = c->workers();
     if (workers.ok() && static_cast<int>(workers->size()) >= options.workers) break;
-    if (cancelled()) return cancel();  // first, as above
     // A worker that exited will never register: say so now, with its log,
     // not at the deadline (no such device, a build without CUDA, ...).
     std::string dead;

@@ -1,5 +1,6 @@
 #include "server/rank_supervisor.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -63,7 +64,8 @@ void RankSupervisor::StopStaleRanks(const std::vector<v1::Worker>& workers,
     auto before = stale_told_.find(worker);
     if (before == stale_told_.end() || before->second.key != key || now >= before->second.again) {
       aborts_.push_back({call, worker});
-      told[worker] = Told{key};
+      told[worker] = Told{key, absl::InfiniteFuture(),
+                          before != stale_told_.end() && before->second.key == key ? before->second.failures : 0};
     } else {
       told[worker] = before->second;
     }
@@ -97,13 +99,17 @@ void RankSupervisor::SendAborts() {
     if (again) failed.push_back(i);
   }
   if (failed.empty()) return;
-  const absl::Time again = absl::Now() + options_.stale_abort_retry;
+  const absl::Time now = absl::Now();
   absl::MutexLock lock(&mu_);
   for (size_t i : failed) {
     // (Unless the record moved on meanwhile: another generation, or not stale.)
     auto it = stale_told_.find(queued[i].stale_worker);
     const std::string key = absl::StrCat(calls[i].request.job_id(), "/", calls[i].request.generation());
-    if (it != stale_told_.end() && it->second.key == key) it->second.again = again;
+    if (it == stale_told_.end() || it->second.key != key) continue;
+    const absl::Duration wait =
+        std::min(kMaxStaleAbortRetry, options_.stale_abort_retry * (int64_t{1} << std::min(it->second.failures, 10)));
+    it->second.again = now + wait;
+    ++it->second.failures;
   }
 }
 

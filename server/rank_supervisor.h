@@ -60,8 +60,9 @@ class RankSupervisor {
     absl::Duration probe_timeout = absl::Seconds(2);
     // Waiting in a collective this long is a hang (> 0).
     absl::Duration hang_threshold = absl::Seconds(30);
-    // A stale rank's abort that failed (but NOT_FOUND: the rank ended) is
-    // sent again this long after (StopStaleRanks).
+    // A stale rank's abort that did not reach its worker is sent again this
+    // long after, twice as long after each failure in a row up to
+    // kMaxStaleAbortRetry (StopStaleRanks): SendAborts waits for each.
     absl::Duration stale_abort_retry = absl::Seconds(10);
   };
 
@@ -157,7 +158,9 @@ class RankSupervisor {
   struct Told {
     std::string key;
     absl::Time again = absl::InfiniteFuture();
+    int failures = 0;  // in a row
   };
+  static constexpr absl::Duration kMaxStaleAbortRetry = absl::Minutes(5);
   std::map<std::string, Told> stale_told_ ABSL_GUARDED_BY(mu_);
   // Per job: "generation/group#sequence silent RANKS" of each hang returned.
   std::map<std::string, std::set<std::string>> hangs_ ABSL_GUARDED_BY(mu_);

@@ -183,7 +183,25 @@ TEST_F(RankSupervisorTest, AStaleRanksAbortThatFailedIsSentAgainLater) {
   again.StopStaleRanks(stale, runs, key_to_call);
   again.SendAborts();
   EXPECT_TRUE(fake_->aborted.empty()) << "answered";
+  // Each failure in a row waits twice as long before the next (every try
+  // waits out the abort's deadline on the scheduler's thread): at 200 ms,
+  // sent again after 250 ms, then not at 250 ms more (400 ms), then again.
+  RankSupervisor::Options slow;
+  slow.stale_abort_retry = absl::Milliseconds(200);
+  RankSupervisor doubling(fake_, slow);
+  fake_->abort_answers["w1:7070"] = absl::UnavailableError("connection refused");
+  const std::vector<v1::Worker> w1 = {Busy("w1", "a", 1)};
+  std::vector<size_t> sent;
+  for (int pass = 0; pass < 4; ++pass) {
+    if (pass > 0) absl::SleepFor(absl::Milliseconds(250));
+    fake_->aborted.clear();
+    doubling.StopStaleRanks(w1, runs, key_to_call);
+    doubling.SendAborts();
+    sent.push_back(fake_->aborted.size());
+  }
+  EXPECT_EQ(sent, (std::vector<size_t>{1, 1, 0, 1}));
   // A placement's abort that failed: once.
+  fake_->aborted.clear();
   fake_->abort_answers["host:7000"] = absl::UnavailableError("connection refused");
   again.StopRanks("j", "0a1b", 4, Mesh(1), Keys(1), {}, -1, "why");
   again.SendAborts();

@@ -185,7 +185,8 @@ void Scheduler::Tick() {
   {
     JobsLock lock(this);
     // A worker still running a rank of a job this coordinator does not run
-    // (it ended, or the coordinator restarted since) is told to stop, once.
+    // (it ended, or the coordinator restarted since) is told to stop, once
+    // (again, later and later, where the call did not reach it).
     supervisor_.StopStaleRanks(workers, [this](const std::string& job_id, int64_t generation) {
       mu_.AssertHeld();
       auto it = placed_.find(job_id);

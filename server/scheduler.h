@@ -93,7 +93,8 @@ class Scheduler {
     // A worker that says the job cannot run (INVALID_ARGUMENT,
     // UNIMPLEMENTED) refuses for the job's reasons: after max_placements
     // such placements with none every rank took in between (nor a restart)
-    // the job fails listing them. Other refusals (no answer,
+    // the job fails listing them; placements refused in a row wait before
+    // the next (refused_in_a_row_). Other refusals (no answer,
     // busy, unauthenticated) are the cluster's and never fail the job. A job
     // whose new generation cannot be recorded (a full disk under the data
     // dir) waits as long before it is placed again, twice as long after

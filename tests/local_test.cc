@@ -425,8 +425,9 @@ TEST(Local, CtrlCWhileTheEmbeddedClusterStartsStopsItThere) {
 // Ctrl-C (here SIGHUP) while a cluster starts stops it there and then: the
 // start is CANCELLED, what it started is stopped and its temporary data
 // dir, with the workers' scratch dirs in it, removed. (Cancelled once the
-// workers are started, as the start's first look for their registration
-// sees: a count of polls let a quick start finish first.)
+// workers are started, which the start's next look for their registration
+// sees before they can have registered: a count of polls let a quick start
+// finish first.)
 TEST(Local, AStartCancelledMidwayLeavesNothing) {
   const std::string tmp = FreshDir("cancel-tmp");
   ASSERT_EQ(::setenv("TMPDIR", tmp.c_str(), 1), 0);

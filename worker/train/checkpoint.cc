@@ -223,7 +223,7 @@ absl::StatusOr<std::optional<int64_t>> MaskTokenIdField(const Json& state, const
 }
 
 // The parameters' dtype a checkpoint records (none: written before
-// 2026-12-07); INVALID_ARGUMENT where it is not a float dtype's name.
+// 2026-12-06); INVALID_ARGUMENT where it is not a float dtype's name.
 absl::StatusOr<std::optional<DType>> ParamDTypeField(const Json& state, const std::string& where) {
   if (!state.contains("param_dtype")) return std::optional<DType>();
   absl::StatusOr<DType> dtype = state["param_dtype"].is_string() ? ParseDType(state["param_dtype"].get<std::string>())
@@ -891,7 +891,7 @@ absl::StatusOr<Resumed> ReadTrainState(const std::string& checkpoint) {
   }
   if (state.contains("report") && state["report"].is_object()) r.report = JsonText(state["report"]);
   ASSIGN_OR_RETURN(r.param_dtype, ParamDTypeField(state, where));
-  // A checkpoint of before 2026-12-07 records none, though bf16 and f16
+  // A checkpoint of before 2026-12-06 records none, though bf16 and f16
   // runs saved theirs from 2026-11-23: the index's dtypes say which (a
   // 16-bit tensor is a mixed-precision run's; f32 alone an f32 run's).
   if (!r.param_dtype.has_value()) r.param_dtype = IndexedParamDType(checkpoint);

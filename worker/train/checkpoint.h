@@ -226,7 +226,7 @@ struct Resumed {
   std::vector<std::string> lineage;  // its writer's (CheckpointWriter::lineage); none before 2026-12
   std::string report;  // SaveTrainingCheckpoint's report (a JSON object's text), or ""
   // The parameters' dtype it was trained with (F32, or BF16/F16 under mixed
-  // precision); in a checkpoint of before 2026-12-07, which records none,
+  // precision); in a checkpoint of before 2026-12-06, which records none,
   // what its index's dtypes say (none where they do not read).
   std::optional<DType> param_dtype;
   // A masked language model's [MASK] id it trained with; none for another

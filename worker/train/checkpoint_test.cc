@@ -936,10 +936,10 @@ TEST(Checkpoints, OnlyAStepDirectoryOfItsOwnStepIsACheckpoint) {
     s["step"] = 1000009;
     s["optimizer_steps"] = std::numeric_limits<int64_t>::max();  // (the next update would overflow it)
   });
-  // A train_state.json of a terabyte (a sparse file here; a link to one):
-  // read no further than its bound, never whole.
+  // A train_state.json past its bound (one of a terabyte, or a link to
+  // one, was read whole): read no further.
   plant("step-1000007", [](nlohmann::json& s) { s["step"] = 1000007; });
-  fs::resize_file(dir + "/step-1000007/train_state.json", uintmax_t{1} << 40);
+  fs::resize_file(dir + "/step-1000007/train_state.json", (uintmax_t{16} << 20) + 1);
   skipped.clear();
   latest = LatestCheckpoint(dir, &skipped);
   ASSERT_TRUE(latest.ok()) << latest.status();
