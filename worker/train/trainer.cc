@@ -1206,6 +1206,21 @@ absl::Status RunTrainSteps(const PreparedTrain& run, int rank, ProcessGroup& pg,
   }
   if (o.final_dir.empty()) return absl::OkStatus();
   const std::string sharded = o.final_dir + "/.sharded";
+  // A failed run's sharded copy there (its index, which a message named to
+  // consolidate) is rewritten rank file by rank file below: its index goes
+  // first, so that a save that fails or dies midway leaves no index over a
+  // mix of its files and the old run's.
+  absl::Status cleared = absl::OkStatus();
+  if (rank == 0) {
+    std::error_code rm;
+    std::filesystem::remove(absl::StrCat(sharded, "/", shardformer::kCheckpointIndex), rm);
+    if (rm) {
+      cleared = absl::FailedPreconditionError(
+          absl::StrCat("cannot remove the old index of ", sharded, " before writing there: ", rm.message()));
+    }
+  }
+  RETURN_IF_ERROR(AgreeOverMesh(pg, cleared, shard.device,
+                                absl::StrCat("the trained model was not written: rank 0 could not clear ", sharded)));
   // A mixed-precision run's model in another dtype than its parameters'
   // (f32, or f16 after bf16) is made of its f32 master weights (what the
   // updates ran on), not of its 16-bit parameters widened or rounded twice.

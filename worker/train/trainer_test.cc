@@ -25,6 +25,7 @@
 #include "kernels/device.h"
 #include "spec/model_config.h"
 #include "tests/testing/temp_dir.h"
+#include "worker/shardformer/checkpoint_index.h"
 #include "worker/shardformer/run_forward.h"
 #include "worker/shardformer/safetensors.h"
 #include "worker/shardformer/shardformer.h"
@@ -1145,6 +1146,25 @@ TEST(Trainer, Fp16ScalesItsLossAndTracksTheF32Run) {
     EXPECT_NEAR(piped[i].loss, f32[i].loss, 0.01 * f32[i].loss) << "pp 2 step " << i + 1;
     EXPECT_EQ(piped[i].loss_scale, LossScaler::kDefaultInitial);
   }
+}
+
+// A failed run's sharded copy in final_dir/.sharded (its index, which the
+// failure's message named to consolidate) does not stay standing over the
+// files of a later run's save there that fails midway (rank 1 cannot write
+// its file; rank 0 wrote its own): the later run removes the index first.
+TEST(Trainer, AFinalModelsSaveRemovesAnEarlierRunsShardedIndexFirst) {
+  const std::string model = TinyModel("final_sharded");
+  TrainOptions o = Options(model, 2, 1);
+  o.steps = 1;
+  o.final_dir = TempPath("final_sharded_out");
+  const std::string sharded = o.final_dir + "/.sharded";
+  std::filesystem::create_directories(sharded + "/rank-00001-of-00002.safetensors");  // a directory: not written
+  std::ofstream(sharded + "/" + shardformer::kCheckpointIndex) << "{\"an earlier run's\": true}";
+  const absl::Status s = Train(o, [](const StepStats&) {});
+  EXPECT_FALSE(s.ok());
+  EXPECT_TRUE(std::filesystem::exists(sharded + "/rank-00000-of-00002.safetensors")) << "rank 0 wrote its file";
+  EXPECT_FALSE(std::filesystem::exists(sharded + "/" + shardformer::kCheckpointIndex))
+      << "an index over a mix of two runs' files";
 }
 
 // fp16 with its loss scaled beyond GPT-2, each family's own loss seeding
