@@ -9,6 +9,14 @@
 
 namespace colod {
 
+// A retry's wait after `times` failures in a row: `first`, doubled at each,
+// at most `most` (a wait that stops growing once it reaches it).
+inline absl::Duration DoubledWait(absl::Duration first, int times, absl::Duration most) {
+  absl::Duration wait = first;
+  for (int i = 0; i < times && wait < most; ++i) wait *= 2;
+  return wait < most ? wait : most;
+}
+
 // Thread-safe.
 class Clock {
  public:

@@ -445,8 +445,7 @@ void JobManager::FlushStale() {
     absl::MutexLock lock(&mu_);
     const absl::Time now = clock_->Now();
     for (auto& [id, e] : jobs_) {
-      const absl::Duration wait =
-          std::min(kStepWriteInterval * (int64_t{1} << std::min(e.write_failures, 6)), kMaxWriteRetryInterval);
+      const absl::Duration wait = DoubledWait(kStepWriteInterval, e.write_failures, kMaxWriteRetryInterval);
       if (e.unwritten && now - e.persisted >= wait) writes.push_back(TakeRecordLocked(e));
     }
   }

@@ -1,10 +1,10 @@
 #include "server/rank_supervisor.h"
 
-#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/clock.h"
 #include "common/logging.h"
 #include "common/proto_time.h"
 #include "server/hang_detector.h"
@@ -106,9 +106,7 @@ void RankSupervisor::SendAborts() {
     auto it = stale_told_.find(queued[i].stale_worker);
     const std::string key = absl::StrCat(calls[i].request.job_id(), "/", calls[i].request.generation());
     if (it == stale_told_.end() || it->second.key != key) continue;
-    const absl::Duration wait =
-        std::min(kMaxStaleAbortRetry, options_.stale_abort_retry * (int64_t{1} << std::min(it->second.failures, 10)));
-    it->second.again = now + wait;
+    it->second.again = now + DoubledWait(options_.stale_abort_retry, it->second.failures, kMaxStaleAbortRetry);
     ++it->second.failures;
   }
 }

@@ -374,7 +374,7 @@ void Scheduler::ScheduleQueued() {
         COLOD_LOG(WARNING) << "job " << job.job_id() << ": " << scheduled.status().message();
         absl::MutexLock lock(&mu_);
         Unrecorded& u = unrecorded_[job.job_id()];
-        u.until = now + options_.refusal_cooloff * (1 << std::min(u.failures, 4));
+        u.until = now + DoubledWait(options_.refusal_cooloff, u.failures, 16 * options_.refusal_cooloff);
         ++u.failures;
         restart_since_.erase(job.job_id());  // its wait for workers counts from the next try
       }
@@ -521,10 +521,9 @@ void Scheduler::Assign(const std::string& job_id, int64_t generation) {
   // a refusal does not take its place.)
   if (p.state == PlacementState::kRunning) {
     Refused& in_a_row = refused_in_a_row_[job_id];
-    const absl::Duration wait =
-        in_a_row.count == 0
-            ? absl::ZeroDuration()
-            : std::min(options_.refusal_cooloff, absl::Seconds(1) * (int64_t{1} << std::min(in_a_row.count - 1, 20)));
+    const absl::Duration wait = in_a_row.count == 0
+                                    ? absl::ZeroDuration()
+                                    : DoubledWait(absl::Seconds(1), in_a_row.count - 1, options_.refusal_cooloff);
     in_a_row.until = clock_->Now() + wait;
     ++in_a_row.count;
     const std::string next_try = wait > absl::ZeroDuration()

@@ -1,3 +1,5 @@
+#include "kernels/cuda/layer_ops.h"
+
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -17,12 +19,11 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
-#include "kernels/activation.h"
-#include "kernels/clip.h"
 #include "kernels/cuda/cudnn_attention.h"
 #include "kernels/cuda/elements.h"
 #include "kernels/cuda/launch.h"
-#include "kernels/cuda/layer_ops.h"
+#include "kernels/activation.h"
+#include "kernels/clip.h"
 #include "kernels/cuda/tensor_ops.h"
 #include "kernels/cuda/warp.h"
 #include "kernels/gelu.h"
